@@ -1,0 +1,315 @@
+"""One typed, serialisable description of a Transformer.
+
+Every architectural choice is a small enum or number here, validated when the config is
+built, so a bad value fails with a message that names the field instead of deep inside a
+forward pass. The same config is saved next to the weights (``config.json``) and can be
+written to or read from TOML for the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+Arch = Literal["encoder", "decoder", "encoder-decoder"]
+Norm = Literal["layer", "rms", "none"]
+NormPosition = Literal["pre", "post"]
+FFN = Literal["relu", "gelu", "silu", "swiglu", "geglu"]
+Residual = Literal["plain", "scaled", "gated", "none"]
+ResidualTarget = Literal["branch", "trunk"]
+Position = Literal["none", "sinusoidal", "learned", "rope", "alibi", "relative"]
+
+GATED_FFNS = ("swiglu", "geglu")
+ADDITIVE_POSITIONS = ("sinusoidal", "learned")  # added to the token embeddings
+BIAS_POSITIONS = ("alibi", "relative")  # added to the attention scores
+
+
+@dataclass
+class TransformerConfig:
+    """The architecture of a blockformer model.
+
+    ``None`` in a size field means "derive it": ``n_kv_heads`` -> ``n_heads``,
+    ``d_ff`` -> ``4 * d_model`` (``8/3 * d_model`` rounded up to a multiple of 8 for the
+    gated FFNs, which keeps the parameter count of the ungated one), encoder/decoder depths
+    -> ``n_layers``. Derived values are filled in when the config is built, so a saved
+    config states every size explicitly.
+    """
+
+    arch: Arch = "decoder"
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # < n_heads: grouped-query; 1: multi-query attention
+    d_ff: int | None = None
+    max_seq_len: int = 512
+    dropout: float = 0.0  # on embeddings and on each residual branch (Vaswani et al. 2017)
+    attention_dropout: float = 0.0  # on attention weights; > 0 leaves the flash kernel
+    n_encoder_layers: int | None = None  # encoder-decoder only
+    n_decoder_layers: int | None = None  # encoder-decoder only
+    src_vocab_size: int | None = None  # encoder-decoder: None = source shares vocab_size
+    norm: Norm = "layer"
+    norm_bias: bool = True  # LayerNorm only: False gives LayerNorm without the beta shift
+    norm_eps: float = 1e-5
+    norm_position: NormPosition = "pre"
+    ffn: FFN = "gelu"
+    residual: Residual = "plain"
+    residual_scale: float | None = None  # "scaled": None = derived from depth (DeepNet)
+    residual_scale_target: ResidualTarget = "branch"
+    residual_gate_init: float = 0.1  # "gated": initial per-channel gate (LayerScale)
+    position: Position = "rope"
+    rope_base: float = 10000.0
+    relative_buckets: int = 32  # "relative": T5 bucket count and the distance they span
+    relative_max_distance: int = 128
+    bias: bool = True  # biases in the attention and FFN projections
+    tie_embeddings: bool = True
+    scale_embeddings: bool = False  # multiply embeddings by sqrt(d_model), as in the paper
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        self._validate()
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.d_ff is None:
+            self.d_ff = (
+                _round_up(8 * self.d_model // 3, 8) if self.ffn in GATED_FFNS else 4 * self.d_model
+            )
+        if self.arch == "encoder-decoder":
+            self.n_encoder_layers = self.n_encoder_layers or self.n_layers
+            self.n_decoder_layers = self.n_decoder_layers or self.n_layers
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            _require(self, name, getattr(self, name) >= 1, "an integer >= 1")
+        for name in ("n_kv_heads", "d_ff", "n_encoder_layers", "n_decoder_layers", "src_vocab_size"):
+            value = getattr(self, name)
+            _require(self, name, value is None or value >= 1, "an integer >= 1 or None")
+        for name in ("dropout", "attention_dropout"):
+            _require(self, name, 0.0 <= getattr(self, name) < 1.0, "a float in [0, 1)")
+        _require(self, "norm_eps", self.norm_eps > 0, "a float > 0")
+        _require(self, "init_std", self.init_std > 0, "a float > 0")
+        _require(self, "rope_base", self.rope_base > 1, "a float > 1")
+        _require(self, "relative_buckets", self.relative_buckets >= 2, "an integer >= 2")
+        _require(
+            self,
+            "relative_max_distance",
+            self.relative_max_distance > self.relative_buckets // 2,
+            f"an integer > relative_buckets // 2 = {self.relative_buckets // 2}",
+        )
+        _require(
+            self,
+            "d_model",
+            self.d_model % self.n_heads == 0,
+            f"a multiple of n_heads={self.n_heads}",
+        )
+        if self.n_kv_heads is not None:
+            _require(
+                self,
+                "n_kv_heads",
+                self.n_heads % self.n_kv_heads == 0,
+                f"a divisor of n_heads={self.n_heads}",
+            )
+        if self.position == "rope":
+            _require(
+                self,
+                "d_model",
+                (self.d_model // self.n_heads) % 2 == 0,
+                "such that the head size d_model / n_heads is even (rope rotates pairs)",
+            )
+        if self.residual == "scaled" and self.residual_scale is not None:
+            _require(self, "residual_scale", self.residual_scale > 0, "a float > 0 or None")
+        if (
+            self.residual == "scaled"
+            and self.residual_scale_target == "trunk"
+            and self.norm_position == "pre"
+        ):
+            raise ValueError(
+                "residual_scale_target='trunk' needs norm_position='post': DeepNet's trunk "
+                "scale alpha > 1 compounds through depth without a norm after each sum; "
+                "use residual_scale_target='branch' with pre-norm"
+            )
+        if self.arch != "encoder-decoder":
+            for name in ("n_encoder_layers", "n_decoder_layers", "src_vocab_size"):
+                _require(self, name, getattr(self, name) is None, "None unless arch='encoder-decoder'")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def causal(self) -> bool:
+        """Whether the model's own (non-encoder) stack is causal."""
+        return self.arch != "encoder"
+
+    @property
+    def total_layers(self) -> int:
+        if self.arch == "encoder-decoder":
+            return self.n_encoder_layers + self.n_decoder_layers
+        return self.n_layers
+
+    def resolved_residual_scale(self, n_layers: int) -> float:
+        """The constant of ``residual="scaled"`` for a stack of ``n_layers`` blocks.
+
+        Trunk (DeepNet, Wang et al. 2022): ``y = Norm(alpha * x + F(x))`` with
+        ``alpha = (2N)^(1/4)``. Branch: ``y = x + beta * F(x)`` with ``beta = 1/sqrt(2N)``,
+        which keeps the residual stream's variance bounded at any depth.
+        """
+        if self.residual_scale is not None:
+            return self.residual_scale
+        if self.residual_scale_target == "trunk":
+            return (2 * n_layers) ** 0.25
+        return 1.0 / math.sqrt(2 * n_layers)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TransformerConfig":
+        return cls(**checked_kwargs(cls, data))
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "TransformerConfig":
+        return cls.from_dict(json.loads(_read_if_path(text_or_path)))
+
+    def to_toml(self, path: str | Path | None = None) -> str:
+        text = dumps_toml(self.to_dict())
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_toml(cls, text_or_path: str | Path) -> "TransformerConfig":
+        return cls.from_dict(tomllib.loads(_read_if_path(text_or_path)))
+
+
+# ---------------------------------------------------------------------- helpers
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _require(cfg: Any, name: str, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{type(cfg).__name__}.{name}={getattr(cfg, name)!r}: expected {allowed}")
+
+
+def _read_if_path(text_or_path: str | Path) -> str:
+    if isinstance(text_or_path, Path) or (
+        isinstance(text_or_path, str) and "\n" not in text_or_path and Path(text_or_path).is_file()
+    ):
+        return Path(text_or_path).read_text(encoding="utf-8")
+    return str(text_or_path)
+
+
+def suggest(name: str, choices: list[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest valid name, or an empty string."""
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def checked_kwargs(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` as constructor arguments of dataclass ``cls``; unknown keys raise ValueError."""
+    names = [f.name for f in fields(cls)]
+    for key in data:
+        if key not in names:
+            raise ValueError(f"{cls.__name__}: unknown field {key!r}{suggest(key, names)}")
+    return dict(data)
+
+
+def _check_types(obj: Any) -> None:
+    """Check each field's value against its annotation (ints, floats, bools, Literals)."""
+    hints = get_type_hints(type(obj))
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        hint = hints[f.name]
+        options = get_args(hint) if _is_union(hint) else (hint,)
+        if not any(_matches(value, option) for option in options):
+            raise ValueError(
+                f"{type(obj).__name__}.{f.name}={value!r}: expected {_describe(hint)}"
+            )
+
+
+def _is_union(hint: Any) -> bool:
+    import types
+    import typing
+
+    return get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    if hint is type(None):
+        return value is None
+    if get_origin(hint) is Literal:
+        return value in get_args(hint)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True  # container annotations are checked by their owners
+
+
+def _describe(hint: Any) -> str:
+    if _is_union(hint):
+        return " or ".join(_describe(h) for h in get_args(hint))
+    if hint is type(None):
+        return "None"
+    if get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(v) for v in get_args(hint))
+    return getattr(hint, "__name__", str(hint))
+
+
+def dumps_toml(data: dict[str, Any]) -> str:
+    """A minimal TOML writer: scalars, lists of scalars and one level of tables.
+
+    ``None`` has no TOML spelling, so ``None`` values are left out (every ``None`` field has
+    ``None`` as its default, so reading the file back gives the same config).
+    """
+    lines: list[str] = []
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    for key, value in data.items():
+        if value is not None and not isinstance(value, dict):
+            lines.append(f"{key} = {_toml_value(value)}")
+    for name, table in tables.items():
+        lines.append(f"\n[{name}]")
+        for key, value in table.items():
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")

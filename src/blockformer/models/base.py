@@ -1,0 +1,90 @@
+"""What the three architectures share: the output head, initialisation, the KV cache."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import TransformerConfig
+from ..nn.attention import Attention
+from ..nn.feedforward import FeedForward
+from ..nn.kv_cache import KVCache
+from ..nn.position import RelativeBias
+
+
+class TransformerModel(nn.Module):
+    """Base class: subclasses set ``self.cfg`` and build their modules, then call
+    ``self._init_weights()``."""
+
+    cfg: TransformerConfig
+
+    def _make_head(self, embedding: nn.Embedding) -> nn.Linear:
+        head = nn.Linear(self.cfg.d_model, self.cfg.vocab_size, bias=False)
+        if self.cfg.tie_embeddings:
+            head.weight = embedding.weight  # one matrix reads tokens in and writes them out
+        return head
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """Normal(0, init_std) for matmuls; the projections that write into the residual
+        stream are scaled by 1/sqrt(2 * total depth) so the stream's variance does not
+        grow with depth (GPT-2). Embeddings use d_model^-0.5 when they are scaled up by
+        sqrt(d_model), so the sum starts at unit scale (Vaswani et al.; fairseq)."""
+        cfg = self.cfg
+        std = cfg.init_std
+        out_std = std / math.sqrt(2 * cfg.total_layers)
+        deepnet = cfg.residual == "scaled" and cfg.residual_scale_target == "trunk"
+        beta = (8 * cfg.total_layers) ** -0.25  # DeepNet's init gain (Wang et al. 2022)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                emb_std = cfg.d_model**-0.5 if cfg.scale_embeddings else std
+                nn.init.normal_(module.weight, 0.0, emb_std)
+        for module in self.modules():
+            if isinstance(module, Attention):
+                nn.init.normal_(module.out.weight, 0.0, out_std)
+                if deepnet:
+                    module.out.weight.mul_(beta)
+                    kv_dim = module.n_kv_heads * module.head_dim
+                    fused = module.kv if module.cross else module.qkv  # value rows come last
+                    fused.weight[-kv_dim:].mul_(beta)
+            elif isinstance(module, FeedForward):
+                nn.init.normal_(module.down.weight, 0.0, out_std)
+                if deepnet:
+                    module.down.weight.mul_(beta)
+                    module.up.weight.mul_(beta)
+            elif isinstance(module, RelativeBias):
+                nn.init.normal_(module.table.weight, 0.0, cfg.d_model**-0.5)  # T5's scale
+
+    def new_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> KVCache:
+        """A preallocated cache for decoding up to ``max_len`` target tokens."""
+        param = next(self.parameters())
+        n_layers = self.cfg.n_decoder_layers if self.cfg.arch == "encoder-decoder" else self.cfg.n_layers
+        return KVCache(
+            n_layers,
+            batch_size,
+            max_len,
+            self.cfg.n_kv_heads,
+            self.cfg.head_dim,
+            device=device or param.device,
+            dtype=dtype or param.dtype,
+        )
+
+
+def default_positions(tokens: torch.Tensor, cache_pos: torch.Tensor | None) -> torch.Tensor:
+    """Position ids (B, T): 0..T-1, or the cache slots being written."""
+    B, T = tokens.shape
+    base = torch.arange(T, device=tokens.device) if cache_pos is None else cache_pos
+    return base[None, :].expand(B, T)

@@ -1,0 +1,42 @@
+"""Decoder-only model: causal, each position sees only its prefix (GPT's shape)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import TransformerConfig
+from ..nn.kv_cache import KVCache
+from ..nn.stack import Stack
+from .base import TransformerModel, default_positions
+from .embedding import Embedding
+
+
+class DecoderModel(TransformerModel):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg, cfg.vocab_size)
+        self.decoder = Stack(cfg, cfg.n_layers, causal=True)
+        self.head = self._make_head(self.embed.tokens)
+        self._init_weights()
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        cache_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab).
+
+        ``positions`` (B, T): position ids (default 0..T-1, or ``cache_pos``); left-padded
+        batches pass each row's true positions. ``attention_mask`` (B, T): True for real
+        tokens. With ``cache``, the tokens are written into slots ``cache_pos`` (T,) and
+        attend to every earlier slot.
+        """
+        if cache is not None and cache_pos is None:
+            raise ValueError("cache_pos is required with a cache: the slots these tokens fill")
+        positions = default_positions(tokens, cache_pos) if positions is None else positions
+        h = self.decoder(self.embed(tokens, positions), positions, attention_mask, cache=cache, cache_pos=cache_pos)
+        return self.head(h)

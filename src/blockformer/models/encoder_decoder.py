@@ -1,0 +1,68 @@
+"""Encoder-decoder model: the original Transformer (Vaswani et al. 2017).
+
+The encoder reads the source with full visibility; the decoder reads the target shifted
+right, causally, and cross-attends to the encoder's output at every block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import TransformerConfig
+from ..nn.kv_cache import KVCache
+from ..nn.stack import Stack
+from .base import TransformerModel, default_positions
+from .embedding import Embedding
+
+
+class EncoderDecoderModel(TransformerModel):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tgt_embed = Embedding(cfg, cfg.vocab_size)
+        if cfg.src_vocab_size is None and cfg.tie_embeddings:
+            self.src_embed = Embedding(cfg, cfg.vocab_size)
+            self.src_embed.tokens = self.tgt_embed.tokens  # one shared vocabulary
+        else:
+            self.src_embed = Embedding(cfg, cfg.src_vocab_size or cfg.vocab_size)
+        self.encoder = Stack(cfg, cfg.n_encoder_layers, causal=False)
+        self.decoder = Stack(cfg, cfg.n_decoder_layers, causal=True, cross=True)
+        self.head = self._make_head(self.tgt_embed.tokens)
+        self._init_weights()
+
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """src (B, S) -> memory (B, S, d_model). ``src_mask`` (B, S): True for real tokens."""
+        positions = default_positions(src, None)
+        return self.encoder(self.src_embed(src, positions), positions, src_mask)
+
+    def decode(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor | None,
+        src_mask: torch.Tensor | None = None,
+        tgt_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        cache_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tgt (B, T) -> logits (B, T, vocab). With a cache, ``memory`` is needed only on
+        the first call: cross-attention keys and values are computed once and kept."""
+        if cache is not None and cache_pos is None:
+            raise ValueError("cache_pos is required with a cache: the slots these tokens fill")
+        if memory is None and cache is None:
+            raise ValueError("decode needs the encoder output (memory) or a filled cache")
+        positions = default_positions(tgt, cache_pos) if positions is None else positions
+        h = self.decoder(
+            self.tgt_embed(tgt, positions), positions, tgt_mask, memory, src_mask, cache=cache, cache_pos=cache_pos
+        )
+        return self.head(h)
+
+    def forward(
+        self,
+        src: torch.Tensor,
+        tgt: torch.Tensor,
+        src_mask: torch.Tensor | None = None,
+        tgt_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(src (B, S), target shifted right (B, T)) -> logits (B, T, vocab)."""
+        return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask)

@@ -1,0 +1,93 @@
+"""Multi-head attention: each position gathers from the others by relevance.
+
+Queries, keys and values come from one fused projection (self-attention) or from the
+decoder and the encoder output (cross-attention). The scores are computed by
+``torch.nn.functional.scaled_dot_product_attention``, which takes the fused (flash) kernel
+when there is no attention dropout; an additive position bias (ALiBi, T5) must be
+materialised as a float mask, the documented exception. ``n_kv_heads < n_heads`` shares
+each key/value head among a group of query heads (GQA, Ainslie et al. 2023; MQA at 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import TransformerConfig
+from .kv_cache import KVCache
+from .position import apply_rope
+
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+@dataclass
+class AttnInputs:
+    """Everything an attention layer needs besides its input, built once per stack."""
+
+    mask: torch.Tensor | None = None  # bool (True = may attend) or float (added to scores)
+    is_causal: bool = False  # the flash path's causal mask, when ``mask`` is None
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: (B, 1, T, head_dim/2)
+    cache: KVCache | None = None
+    cache_pos: torch.Tensor | None = None  # (T,) cache slots this call writes
+    memory: torch.Tensor | None = None  # cross-attention: encoder output (B, S, d_model)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig, layer_idx: int = 0, cross: bool = False) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.layer_idx, self.cross = layer_idx, cross
+        self.dropout = cfg.attention_dropout
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if cross:
+            self.q = nn.Linear(cfg.d_model, q_dim, bias=cfg.bias)
+            self.kv = nn.Linear(cfg.d_model, 2 * kv_dim, bias=cfg.bias)
+        else:
+            self.qkv = nn.Linear(cfg.d_model, q_dim + 2 * kv_dim, bias=cfg.bias)  # rows: q, k, v
+        self.out = nn.Linear(q_dim, cfg.d_model, bias=cfg.bias)
+
+    def _heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
+
+    def forward(self, x: torch.Tensor, ctx: AttnInputs) -> torch.Tensor:
+        B, T, _ = x.shape
+        kv_dim = self.n_kv_heads * self.head_dim
+        if self.cross:
+            q = self._heads(self.q(x), self.n_heads)
+            k, v = self._cross_kv(ctx)
+        else:
+            q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
+            q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+            if ctx.rope is not None:
+                q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
+            if ctx.cache is not None:
+                k, v = ctx.cache.update(self.layer_idx, ctx.cache_pos, k, v)  # (B, H_kv, S, hd)
+        y = _sdpa(q, k, v, ctx.mask, ctx.is_causal, self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def _cross_kv(self, ctx: AttnInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = ctx.cache
+        if ctx.memory is None:  # decoding: keys and values were computed once, at prefill
+            return cache.cross_k[self.layer_idx], cache.cross_v[self.layer_idx]
+        k, v = self.kv(ctx.memory).chunk(2, dim=-1)
+        k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+        if cache is not None:
+            cache.cross_k[self.layer_idx], cache.cross_v[self.layer_idx] = k, v
+        return k, v
+
+
+def _sdpa(q, k, v, mask, is_causal: bool, dropout: float) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)
+    if groups > 1 and not _SDPA_HAS_GQA:  # pragma: no cover - torch < 2.5
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        groups = 1
+    kwargs = {"enable_gqa": True} if groups > 1 else {}
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, **kwargs
+    )

@@ -1,0 +1,38 @@
+"""The position-wise feed-forward network: the same two-layer MLP at every position."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import GATED_FFNS, TransformerConfig
+
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "silu": F.silu,
+    "swiglu": F.silu,  # Shazeer 2020: SiLU(x W) * (x V)
+    "geglu": F.gelu,  # Shazeer 2020: GELU(x W) * (x V)
+}
+
+
+class FeedForward(nn.Module):
+    """``down(act(up(x)))``, or for the gated variants ``down(act(gate(x)) * up(x))``.
+
+    The gated variants fuse ``gate`` and ``up`` into one matmul of width ``2 * d_ff``.
+    """
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.gated = cfg.ffn in GATED_FFNS
+        self.act = ACTIVATIONS[cfg.ffn]
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff * (2 if self.gated else 1), bias=cfg.bias)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)  # (B, T, d_ff) or (B, T, 2 * d_ff)
+        if self.gated:
+            gate, h = h.chunk(2, dim=-1)
+            return self.down(self.act(gate) * h)
+        return self.down(self.act(h))

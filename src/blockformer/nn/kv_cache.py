@@ -1,0 +1,75 @@
+"""A preallocated key/value cache for incremental decoding.
+
+Shapes never change while decoding (gpt-fast's design): each call writes its keys and
+values into fixed slots given by ``cache_pos`` and attends over all ``max_len`` slots, with
+a mask hiding the slots not yet written. A compiled decode step therefore sees the same
+shapes at every token and never recompiles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per-layer self-attention keys/values, plus cross-attention keys/values.
+
+    ``valid[b, s]`` says whether slot ``s`` of row ``b`` holds a real token (padding and
+    unwritten slots do not), ``pos[b, s]`` the position id of that token (the position
+    signals read it). Cross-attention keys/values are computed once, from the encoder
+    output, on the first call that passes ``memory``.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        max_len: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (batch_size, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        self.pos = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
+        self.cross_k: list[torch.Tensor | None] = [None] * n_layers
+        self.cross_v: list[torch.Tensor | None] = [None] * n_layers
+        self.memory_mask: torch.Tensor | None = None  # (B, S_src) True for real source tokens
+
+    @property
+    def max_len(self) -> int:
+        return self.valid.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    def record(
+        self, cache_pos: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> None:
+        """Mark slots ``cache_pos`` (T,) as written, with their position ids (B, T)."""
+        valid = torch.ones_like(positions, dtype=torch.bool) if attention_mask is None else attention_mask
+        self.valid.index_copy_(1, cache_pos, valid.bool())
+        self.pos.index_copy_(1, cache_pos, positions)
+
+    def update(
+        self, layer: int, cache_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k``/``v`` (B, H_kv, T, head_dim) at ``cache_pos``; return all slots."""
+        self.k[layer].index_copy_(2, cache_pos, k.to(self.dtype))
+        self.v[layer].index_copy_(2, cache_pos, v.to(self.dtype))
+        return self.k[layer], self.v[layer]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Select batch rows ``index`` in place (beam search), keeping tensor identities."""
+        for t in [*self.k, *self.v, self.valid, self.pos]:
+            t.copy_(t.index_select(0, index))
+        for i, (ck, cv) in enumerate(zip(self.cross_k, self.cross_v)):
+            if ck is not None:
+                self.cross_k[i], self.cross_v[i] = ck.index_select(0, index), cv.index_select(0, index)
+        if self.memory_mask is not None:
+            self.memory_mask = self.memory_mask.index_select(0, index)

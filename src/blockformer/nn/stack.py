@@ -1,0 +1,98 @@
+"""N blocks in sequence, with what they share: masks and attention-level position signals.
+
+An encoder and a decoder are the same stack with different visibility: ``causal`` hides
+each position's future, ``cross`` adds attention to an encoder's output. The stack builds
+the attention inputs once per forward pass and hands them to every block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import BIAS_POSITIONS, TransformerConfig
+from .attention import AttnInputs
+from .block import Block
+from .kv_cache import KVCache
+from .norm import build_norm
+from .position import BIAS_MODULES, Rotary
+
+
+class Stack(nn.Module):
+    def __init__(self, cfg: TransformerConfig, n_layers: int, *, causal: bool, cross: bool = False) -> None:
+        super().__init__()
+        self.causal, self.cross = causal, cross
+        self.blocks = nn.ModuleList(
+            Block(cfg, causal=causal, cross=cross, layer_idx=i, n_layers=n_layers) for i in range(n_layers)
+        )
+        self.rotary = Rotary(cfg) if cfg.position == "rope" else None
+        self.bias = BIAS_MODULES[cfg.position](cfg, causal) if cfg.position in BIAS_POSITIONS else None
+        # Pre-Norm leaves the last block's sum unnormalised: one norm closes the stack.
+        self.final_norm = build_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        cache_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: (B, T, d_model); positions: (B, T) position ids; attention_mask: (B, T), True
+        for real tokens; memory/memory_mask: the encoder output and its mask (cross-
+        attention); cache/cache_pos: incremental decoding, writing slots ``cache_pos``."""
+        ctx = self._self_inputs(positions, attention_mask, cache, cache_pos)
+        cross_ctx = self._cross_inputs(memory, memory_mask, cache) if self.cross else None
+        for block in self.blocks:
+            x = block(x, ctx, cross_ctx)
+        return self.final_norm(x)
+
+    def _self_inputs(self, positions, attention_mask, cache, cache_pos) -> AttnInputs:
+        rope = self.rotary(positions) if self.rotary is not None else None
+        if cache is None:
+            T = positions.shape[1]
+            k_pos, k_valid = positions, attention_mask
+            causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril() if self.causal else None
+        else:
+            if not self.causal:
+                raise ValueError("a KV cache needs a causal stack")
+            cache.record(cache_pos, positions, attention_mask)
+            k_pos, k_valid = cache.pos, cache.valid
+            slots = torch.arange(cache.max_len, device=positions.device)
+            causal = cache_pos[:, None] >= slots[None, :]  # (T, S): slots written so far
+        bias = self.bias(positions, k_pos) if self.bias is not None else None  # (B, H, Tq, Tk)
+        if cache is None and attention_mask is None and bias is None:
+            return AttnInputs(is_causal=self.causal, rope=rope)  # the flash kernel's own mask
+        return AttnInputs(mask=_combine(causal, k_valid, bias), rope=rope, cache=cache, cache_pos=cache_pos)
+
+    def _cross_inputs(self, memory, memory_mask, cache) -> AttnInputs:
+        if cache is not None:
+            if memory is not None:
+                cache.memory_mask = memory_mask
+            memory_mask = cache.memory_mask
+        mask = None if memory_mask is None else _combine(None, memory_mask, None)
+        return AttnInputs(mask=mask, memory=memory, cache=cache)
+
+
+def _combine(
+    causal: torch.Tensor | None, key_valid: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """One SDPA mask from a (Tq, Tk) causal pattern, (B, Tk) key validity and a float bias.
+
+    A query row that may see no key at all (a fully padded sequence) is opened to every key:
+    its output is then finite (and meaningless, but it is padding too) instead of NaN.
+    """
+    keep = None
+    if causal is not None:
+        keep = causal[None, None]  # (1, 1, Tq, Tk)
+    if key_valid is not None:
+        valid = key_valid.bool()[:, None, None, :]  # (B, 1, 1, Tk)
+        keep = valid if keep is None else keep & valid
+    if keep is None:
+        return bias
+    keep = keep | ~keep.any(dim=-1, keepdim=True)
+    if bias is None:
+        return keep
+    return bias.masked_fill(~keep, float("-inf"))

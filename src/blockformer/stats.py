@@ -1,0 +1,72 @@
+"""Size and cost of a model: parameters, FLOPs per token, memory for a batch."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .config import TransformerConfig
+
+
+def count_parameters(model: nn.Module, *, trainable_only: bool = False, exclude_embeddings: bool = False) -> int:
+    """Unique parameters (a tied matrix counts once); optionally without embedding tables."""
+    seen: set[int] = set()
+    skip: set[int] = set()
+    if exclude_embeddings:
+        skip = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    total = 0
+    for p in model.parameters():
+        if id(p) in seen or id(p) in skip or (trainable_only and not p.requires_grad):
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
+
+
+def _layer_matmul_params(cfg: TransformerConfig, cross: bool) -> int:
+    d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+    attn = d * (d + 2 * kv) + d * d
+    if cross:
+        attn += d * d + d * 2 * kv + d * d
+    ffn = d * cfg.d_ff * (3 if cfg.ffn in ("swiglu", "geglu") else 2)
+    return attn + ffn
+
+
+def flops_per_token(cfg: TransformerConfig, seq_len: int | None = None, *, training: bool = True) -> float:
+    """Matmul FLOPs to process one (target) token: ``2 * N`` forward (N = matmul weights,
+    the output head included) plus the attention scores ``2 * 2 * L * T * d``; training
+    triples it for the backward pass (Kaplan et al. 2020; PaLM appendix B). For an
+    encoder-decoder, a source token of the same length is counted with each target token.
+    """
+    T = seq_len or cfg.max_seq_len
+    d = cfg.d_model
+    if cfg.arch == "encoder-decoder":
+        n = cfg.n_encoder_layers * _layer_matmul_params(cfg, False)
+        n += cfg.n_decoder_layers * _layer_matmul_params(cfg, True)
+        attn = 4 * T * d * (cfg.n_encoder_layers + 2 * cfg.n_decoder_layers)
+    else:
+        n = cfg.n_layers * _layer_matmul_params(cfg, False)
+        attn = 4 * T * d * cfg.n_layers
+    forward = 2 * (n + d * cfg.vocab_size) + attn
+    return 3 * forward if training else forward
+
+
+def memory_estimate(cfg: TransformerConfig, batch_size: int, seq_len: int, *, bytes_per_value: int = 4) -> dict[str, int]:
+    """Rough training memory in bytes: weights, grads and two AdamW moments (4 copies of
+    the parameters), plus stored activations (~34 values per token per layer per width
+    unit and 5 per head per score, Korthikanti et al. 2022, without recomputation)."""
+    from .models import build_model  # noqa: PLC0415 - avoids an import cycle
+    import torch
+
+    with torch.device("meta"):
+        params = count_parameters(build_model(cfg))
+    layers = cfg.total_layers
+    act = layers * batch_size * seq_len * (34 * cfg.d_model + 5 * cfg.n_heads * seq_len)
+    act += batch_size * seq_len * cfg.vocab_size * 2  # logits and their gradient
+    weights = params * bytes_per_value
+    return {
+        "parameters": params,
+        "weights_bytes": weights,
+        "optimizer_bytes": 3 * weights,
+        "activation_bytes": act * bytes_per_value,
+        "total_bytes": 4 * weights + act * bytes_per_value,
+    }

@@ -176,3 +176,12 @@ def test_residual_output_projections_get_the_scaled_init():
     assert block.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.02)
     assert block.attn.out.weight.std().item() == pytest.approx(0.02 / 4, rel=0.03)  # 1/sqrt(2*8)
     assert block.ffn.down.weight.std().item() == pytest.approx(0.02 / 4, rel=0.03)
+
+
+def test_rope_angles_stay_fp32_when_the_model_is_cast_to_bf16():
+    model = make("decoder", "rope")
+    positions = torch.arange(2000)[None]
+    cos32, _ = model.decoder.rotary(positions)
+    cos16, _ = model.to(torch.bfloat16).decoder.rotary(positions)
+    assert cos16.dtype == torch.float32
+    torch.testing.assert_close(cos16, cos32, atol=0, rtol=0)

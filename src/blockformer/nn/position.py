@@ -58,12 +58,14 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
-        half = cfg.head_dim // 2
-        inv_freq = cfg.rope_base ** (-torch.arange(half, dtype=torch.float32) / half)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.half, self.base = cfg.head_dim // 2, cfg.rope_base
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions[..., None].float() * self.inv_freq  # (B, T, head_dim/2)
+        # Frequencies are computed here in fp32, not kept in a buffer: `model.to(bfloat16)`
+        # would round a buffer and shift every angle.
+        exponent = torch.arange(self.half, device=positions.device, dtype=torch.float32) / self.half
+        inv_freq = self.base**-exponent
+        angles = positions[..., None].float() * inv_freq  # (B, T, head_dim/2)
         angles = angles[:, None]  # (B, 1, T, head_dim/2): broadcast over heads
         return angles.cos(), angles.sin()
 

@@ -1,0 +1,29 @@
+"""Generation: decoder-only sampling and greedy decoding; encoder-decoder greedy and beam
+search; streaming text. All decoding runs on the model's preallocated KV cache."""
+
+from .batching import pad_batch, positions_from_mask
+from .beam import Hypothesis, beam_search, length_penalty
+from .decoder import generate
+from .sampling import Sampling, choose, process_logits, sample, top_k_filter, top_p_filter
+from .seq2seq import greedy_decode, target_limits
+from .stream import TextStream
+from .translate import translate
+
+__all__ = [
+    "generate",
+    "greedy_decode",
+    "beam_search",
+    "translate",
+    "Hypothesis",
+    "length_penalty",
+    "TextStream",
+    "Sampling",
+    "choose",
+    "process_logits",
+    "sample",
+    "top_k_filter",
+    "top_p_filter",
+    "pad_batch",
+    "positions_from_mask",
+    "target_limits",
+]

@@ -1,0 +1,131 @@
+"""Beam search for the encoder-decoder, batched over sentences of different lengths.
+
+Each sentence keeps ``beam_size`` live hypotheses as rows of one (B * beam) batch; the KV
+cache follows them with ``cache.reorder``. Every step takes the ``2 * beam`` best
+extensions of a sentence's beams: those ending in ``eos`` among the top ``beam`` leave the
+beam as finished hypotheses, and the ``beam`` best others continue (fairseq's scheme). A
+sentence is done when it has ``beam`` finished hypotheses or reaches its length limit,
+where its live beams are finished as they are. Finished hypotheses are ranked by the GNMT
+length-normalised score ``log P(Y|X) / lp(Y)``, ``lp(Y) = ((5 + |Y|) / 6)^alpha``
+(Wu et al. 2016), with ``|Y|`` the number of generated tokens, ``eos`` included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import UsageError
+from .batching import BOS_ID, EOS_ID
+from .seq2seq import source_batch, target_limits
+from .step import eval_mode, prepare_step, seq2seq_step
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # generated ids, without bos and eos
+    score: float  # log_prob / length_penalty(length, alpha): what beams are ranked by
+    log_prob: float  # sum of the tokens' log-probabilities, eos included
+    length: int  # |Y|: generated tokens, eos included when the hypothesis ended with it
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """GNMT's ``((5 + length) / 6) ** alpha``: alpha = 0 ranks by raw log-probability;
+    larger alpha favours longer outputs."""
+    return ((5 + length) / 6) ** alpha
+
+
+def beam_search(
+    model: nn.Module,
+    src: torch.Tensor | Sequence[Sequence[int]],
+    src_mask: torch.Tensor | None = None,
+    *,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    max_len: int | None = None,
+    n_best: int = 1,
+    bos_id: int = BOS_ID,
+    eos_id: int = EOS_ID,
+    use_cache: bool = True,
+    compile: bool = False,
+    compile_mode: str | None = None,
+) -> list[list[Hypothesis]]:
+    """The ``n_best`` highest-scoring hypotheses (best first) for each source sentence.
+
+    ``src`` (B, S) with ``src_mask`` (True = real token), or a list of id lists.
+    ``max_len`` limits generated tokens (eos included); default: source length + 50.
+    """
+    if not isinstance(beam_size, int) or beam_size < 1:
+        raise UsageError(f"beam_size: {beam_size!r}; expected an integer >= 1")
+    if not isinstance(n_best, int) or not 1 <= n_best <= beam_size:
+        raise UsageError(f"n_best: {n_best!r}; expected an integer in [1, beam_size={beam_size}]")
+    if alpha < 0:
+        raise UsageError(f"alpha: {alpha}; expected a float >= 0")
+    src, src_mask = source_batch(model, src, src_mask)
+    limits = target_limits(model, src_mask, max_len)
+    B, K, T, device = src.shape[0], beam_size, max(limits), src.device
+    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
+    done = [False] * B
+
+    def finish(b: int, tokens: list[int], log_prob: float, length: int) -> None:
+        if log_prob > float("-inf"):  # an impossible continuation is no hypothesis
+            score = log_prob / length_penalty(length, alpha)
+            finished[b].append(Hypothesis(tokens, score, log_prob, length))
+
+    with eval_mode(model):
+        rows = torch.arange(B, device=device).repeat_interleave(K)  # beam row -> sentence
+        memory, memory_mask = model.encode(src, src_mask)[rows], src_mask[rows]  # (B*K, S, d)
+        history = torch.full((B * K, T + 1), bos_id, dtype=torch.long, device=device)  # col 0: bos
+        scores = torch.zeros(B, K, device=device)
+        scores[:, 1:] = float("-inf")  # all beams start equal: expand only the first
+        first_row = torch.arange(B, device=device)[:, None] * K  # (B, 1)
+        if use_cache:
+            cache, step = prepare_step(model, seq2seq_step, B * K, T, compile=compile, compile_mode=compile_mode)
+            cache_pos = torch.zeros(1, dtype=torch.long, device=device)
+        for t in range(T):
+            if not use_cache:
+                logits = model.decode(history[:, : t + 1], memory, memory_mask)[:, -1]
+            elif t == 0:  # passes memory: cross-attention K/V are computed and cached here
+                logits = model.decode(history[:, :1], memory, memory_mask, cache=cache, cache_pos=cache_pos)[:, -1]
+            else:
+                logits = step(model, history[:, t : t + 1], cache, cache_pos)
+            logp = logits.float().log_softmax(dim=-1)  # (B*K, V)
+            V = logp.shape[-1]
+            cand = (scores.view(B * K, 1) + logp).view(B, K * V)
+            top_scores, top_idx = cand.topk(2 * K, dim=1)  # (B, 2K), best first
+            parent, tok = top_idx // V, top_idx % V
+            is_eos = tok == eos_id
+            # The K best candidates that do not end: rank eos candidates after all others.
+            order = torch.arange(2 * K, device=device) + is_eos.long() * 2 * K
+            keep = order.topk(K, dim=1, largest=False).indices  # (B, K), sorted
+            scores = top_scores.gather(1, keep)
+            index = (first_row + parent.gather(1, keep)).view(-1)  # (B*K,) rows to continue
+            new_history = history[index]
+            new_history[:, t + 1] = tok.gather(1, keep).view(-1)
+
+            # Host bookkeeping (one sync per step): eos among the top K leaves the beam.
+            eos_h, top_h, parent_h = is_eos[:, :K].tolist(), top_scores[:, :K].tolist(), parent[:, :K].tolist()
+            for b in range(B):
+                if done[b]:
+                    continue
+                for j in range(K):
+                    if eos_h[b][j]:
+                        row = b * K + parent_h[b][j]
+                        finish(b, history[row, 1 : t + 1].tolist(), top_h[b][j], t + 1)
+                if len(finished[b]) >= K:
+                    done[b] = True
+                elif t + 1 >= limits[b]:  # out of length: the live beams finish as they are
+                    live = new_history[b * K : (b + 1) * K, 1 : t + 2].tolist()
+                    for ids, s in zip(live, scores[b].tolist()):
+                        finish(b, ids, s, t + 1)
+                    done[b] = True
+            if all(done):
+                break
+            history = new_history
+            if use_cache:
+                cache.reorder(index)
+                cache_pos = cache_pos + 1
+    return [sorted(f, key=lambda h: h.score, reverse=True)[:n_best] for f in finished]

@@ -1,0 +1,105 @@
+"""Encoder-decoder decoding: the encoder runs once, the decoder one token at a time.
+
+The first decoder call passes the encoder output, so the cache computes every layer's
+cross-attention keys and values once per source; later calls pass only the new token.
+Decoding starts from ``bos`` and a sentence ends at ``eos`` or at its own length limit
+(by default its source length + 50). Returned ids exclude ``bos`` and ``eos``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..config import ADDITIVE_POSITIONS
+from ..errors import UsageError
+from .batching import BOS_ID, EOS_ID, PAD_ID, pad_batch
+from .step import eval_mode, model_device, prepare_step, seq2seq_step
+
+EXTRA_TARGET_LEN = 50  # default limit: source length + 50 (as in Vaswani et al. 2017)
+
+
+def target_limits(model: nn.Module, src_mask: torch.Tensor, max_len: int | None) -> list[int]:
+    """Each sentence's limit on generated tokens (EOS included): ``max_len``, or its source
+    length + 50, capped by an absolute position table's ``max_seq_len``."""
+    cfg = getattr(model, "cfg", None)
+    table = cfg.max_seq_len if cfg is not None and cfg.position in ADDITIVE_POSITIONS else None
+    if max_len is not None:
+        if not isinstance(max_len, int) or max_len < 1:
+            raise UsageError(f"max_len: {max_len!r}; expected an integer >= 1 or None")
+        if table is not None and max_len > table:
+            raise UsageError(f"max_len: {max_len} exceeds the model's max_seq_len={table}; expected at most that")
+        return [max_len] * src_mask.shape[0]
+    limits = [n + EXTRA_TARGET_LEN for n in src_mask.sum(dim=1).tolist()]
+    return [min(n, table) for n in limits] if table is not None else limits
+
+
+def source_batch(
+    model: nn.Module, src: torch.Tensor | Sequence[Sequence[int]], src_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``(src, src_mask)`` on the model's device, from a tensor or id lists."""
+    device = model_device(model)
+    if not isinstance(src, torch.Tensor):
+        return pad_batch(src, left=False, name="sources", device=device)
+    if src.dim() != 2 or src.shape[1] == 0:
+        raise UsageError(f"src: shape {tuple(src.shape)}; expected a (batch, length) tensor, length >= 1")
+    src = src.to(device=device, dtype=torch.long)
+    if src_mask is None:
+        return src, torch.ones_like(src, dtype=torch.bool)
+    if src_mask.shape != src.shape:
+        raise UsageError(f"src_mask: shape {tuple(src_mask.shape)}; expected {tuple(src.shape)} like src")
+    return src, src_mask.to(device=device, dtype=torch.bool)
+
+
+def greedy_decode(
+    model: nn.Module,
+    src: torch.Tensor | Sequence[Sequence[int]],
+    src_mask: torch.Tensor | None = None,
+    max_len: int | None = None,
+    bos_id: int = BOS_ID,
+    eos_id: int = EOS_ID,
+    *,
+    use_cache: bool = True,
+    compile: bool = False,
+    compile_mode: str | None = None,
+    check_every: int = 8,
+) -> list[list[int]]:
+    """The most likely next token at each step, for each source sentence (B, S)."""
+    src, src_mask = source_batch(model, src, src_mask)
+    limits = target_limits(model, src_mask, max_len)
+    B, T, device = src.shape[0], max(limits), src.device
+    with eval_mode(model):
+        limit_t = torch.tensor(limits, device=device)
+        out = torch.full((B, T), PAD_ID, dtype=torch.long, device=device)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        tok = torch.full((B, 1), bos_id, dtype=torch.long, device=device)
+        memory = model.encode(src, src_mask)
+        if use_cache:
+            cache, step = prepare_step(model, seq2seq_step, B, T, compile=compile, compile_mode=compile_mode)
+            cache_pos = torch.zeros(1, dtype=torch.long, device=device)
+        seq = tok
+        for t in range(T):
+            if not use_cache:
+                logits = model.decode(seq, memory, src_mask)[:, -1]
+            elif t == 0:  # passes memory: cross-attention K/V are computed and cached here
+                logits = model.decode(tok, memory, src_mask, cache=cache, cache_pos=cache_pos)[:, -1]
+            else:
+                logits = step(model, tok, cache, cache_pos)
+            nxt = torch.where(done, PAD_ID, logits.argmax(dim=-1))  # (B,)
+            out[:, t] = nxt
+            done = done | (nxt == eos_id) | (t + 1 >= limit_t)
+            if t == T - 1 or (t + 1) % check_every == 0 and bool(done.all()):
+                break
+            tok = nxt[:, None]
+            if use_cache:
+                cache_pos = cache_pos + 1
+            else:
+                seq = torch.cat([seq, tok], dim=1)
+    result = []
+    for ids, limit in zip(out.tolist(), limits):
+        ids = ids[:limit]
+        result.append(ids[: ids.index(eos_id)] if eos_id in ids else ids)
+    return result
+

@@ -1,0 +1,124 @@
+"""The single-token decode step, eager or compiled, and the cache it writes.
+
+The KV cache is preallocated for the whole generation, so the step sees the same shapes at
+every token: ``tokens (B, 1)``, ``positions (B, 1)``, ``cache_pos (1,)`` and fixed-size
+cache tensors. ``torch.compile`` therefore captures it once and replays it for every token
+(gpt-fast's recipe); on CUDA, ``mode="reduce-overhead"`` also records it as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..nn.kv_cache import KVCache
+
+StepFn = Callable[..., torch.Tensor]
+
+
+def decode_step(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    positions: torch.Tensor | None,
+    cache: KVCache,
+    cache_pos: torch.Tensor,
+) -> torch.Tensor:
+    """Decoder-only: logits (B, V) for the next token after ``tokens`` (B, 1)."""
+    return model(tokens, positions=positions, cache=cache, cache_pos=cache_pos)[:, -1]
+
+
+def seq2seq_step(
+    model: nn.Module, tokens: torch.Tensor, cache: KVCache, cache_pos: torch.Tensor
+) -> torch.Tensor:
+    """Encoder-decoder, after the first step (cross-attention K/V already cached): (B, V)."""
+    return model.decode(tokens, None, cache=cache, cache_pos=cache_pos)[:, -1]
+
+
+_COMPILED: dict[tuple[str, str | None], StepFn] = {}
+_STATIC_CACHES: weakref.WeakKeyDictionary[nn.Module, KVCache] = weakref.WeakKeyDictionary()
+
+
+def prepare_step(
+    model: nn.Module, step: StepFn, batch_size: int, max_len: int, *, compile: bool, compile_mode: str | None
+) -> tuple[KVCache, StepFn]:
+    """A cache for ``batch_size`` rows and ``max_len`` slots, and ``step`` to run on it:
+    as is, or compiled (``compile_mode`` None: CUDA graphs on GPU, inductor's default on
+    CPU)."""
+    device, dtype = model_device(model), cache_dtype(model)
+    if not compile:
+        return model.new_cache(batch_size, max_len, device=device, dtype=dtype), step
+    mode = compile_mode or ("reduce-overhead" if device.type == "cuda" else None)
+    fn = compiled(step, mode)
+    if mode is None or "reduce-overhead" not in mode:
+        return model.new_cache(batch_size, max_len, device=device, dtype=dtype), fn
+    return static_cache(model, batch_size, max_len, device, dtype), _marking_steps(fn)
+
+
+def compiled(step: StepFn, mode: str | None = None) -> StepFn:
+    """``torch.compile(step)``, built once per (step, mode) so its graphs are reused across
+    calls. ``dynamic=False``: each batch size and cache length gets its own static graph."""
+    key = (step.__name__, mode)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(step, fullgraph=True, dynamic=False, mode=mode)
+    return _COMPILED[key]
+
+
+def static_cache(
+    model: nn.Module, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype
+) -> KVCache:
+    """One cache per model, reused while its shape fits, with its tensors marked static:
+    a CUDA graph replays on fixed addresses, and a new cache would force a re-record.
+    Reuse is safe because each slot is rewritten before any query can see it (a query
+    attends only to slots up to its own)."""
+    cache = _STATIC_CACHES.get(model)
+    if cache is None or cache.valid.shape != (batch_size, max_len) or cache.dtype != dtype:
+        cache = model.new_cache(batch_size, max_len, device=device, dtype=dtype)
+        for t in [*cache.k, *cache.v, cache.valid, cache.pos]:
+            torch._dynamo.mark_static_address(t)
+        _STATIC_CACHES[model] = cache
+    cache.valid.zero_()
+    cache.cross_k = [None] * len(cache.cross_k)
+    cache.cross_v = [None] * len(cache.cross_v)
+    cache.memory_mask = None
+    return cache
+
+
+def _marking_steps(fn: StepFn) -> StepFn:
+    """Tell CUDA-graph trees that each call starts a new step (its previous outputs are
+    consumed), as a generation loop needs."""
+
+    def step(*args):
+        torch.compiler.cudagraph_mark_step_begin()
+        return fn(*args)
+
+    return step
+
+
+def cache_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype attention computes in: the autocast dtype when autocast is on for the
+    model's device, else the parameters' dtype."""
+    param = next(model.parameters())
+    device_type = param.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return param.dtype
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Dropout off while generating; the caller's train/eval state is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        model.train(was_training)

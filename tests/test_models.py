@@ -185,3 +185,11 @@ def test_rope_angles_stay_fp32_when_the_model_is_cast_to_bf16():
     cos16, _ = model.to(torch.bfloat16).decoder.rotary(positions)
     assert cos16.dtype == torch.float32
     torch.testing.assert_close(cos16, cos32, atol=0, rtol=0)
+
+
+def test_scaled_embeddings_start_at_unit_scale_even_when_tied():
+    model = build_model(TransformerConfig(vocab_size=1000, d_model=256, n_heads=4, scale_embeddings=True), seed=0)
+    assert model.head.weight is model.embed.tokens.weight
+    assert model.embed.tokens.weight.std().item() == pytest.approx(256**-0.5, rel=0.02)
+    x = model.embed(torch.arange(1000)[None], torch.zeros(1, 1000, dtype=torch.long))
+    assert x.pow(2).mean().sqrt().item() == pytest.approx(1.0, rel=0.02)

@@ -42,7 +42,8 @@ class TransformerModel(nn.Module):
                 nn.init.normal_(module.weight, 0.0, std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
+        for module in self.modules():  # after the Linears: a tied head must not overwrite them
+            if isinstance(module, nn.Embedding):
                 emb_std = cfg.d_model**-0.5 if cfg.scale_embeddings else std
                 nn.init.normal_(module.weight, 0.0, emb_std)
         for module in self.modules():

@@ -1,0 +1,181 @@
+"""tinyshakespeare with nanoGPT's CPU shape (the ``char-lm-tiny`` preset), against a plain
+PyTorch training loop of the same shape timed in the same run.
+
+    python benchmarks/bench_tinyshakespeare.py                     # 2000 steps, fp32 and bf16
+    python benchmarks/bench_tinyshakespeare.py --steps 20 --reference-steps 10 --precisions fp32   # smoke
+
+blockformer trains the preset (4 layers, 4 heads, width 128, context 64, batch 12, dropout 0,
+lr 1e-3 warmup + cosine to 1e-4, 90/10 split) for ``--steps`` steps per precision and reports
+the final validation loss (target: <= 1.88, nanoGPT's figure for this shape) and training
+tokens/s. The reference is nanoGPT's model and loop written out in plain PyTorch (LayerNorm
+without bias, learned positions, GELU MLP, tied head, fused attention, AdamW with the same
+decay groups), trained on the same tokens for ``--reference-steps`` steps; its tokens/s is
+the denominator of the ratio. Figures go to ``--out`` as JSON and as a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockformer.run_config import load_run_config
+from blockformer.train import train
+from blockformer.train.metrics import read_metrics
+from blockformer.train.precision import autocast
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--reference-steps", type=int, default=200, help="steps timed for the plain PyTorch loop")
+    p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "tinyshakespeare")
+    return p.parse_args()
+
+
+# ---------------------------------------------------------------------- the reference
+class RefBlock(nn.Module):
+    """nanoGPT's block: x + attn(ln(x)), x + mlp(ln(x)); no biases."""
+
+    def __init__(self, d: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln1, self.ln2 = nn.LayerNorm(d, bias=False), nn.LayerNorm(d, bias=False)
+        self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.fc, self.out = nn.Linear(d, 4 * d, bias=False), nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class RefGPT(nn.Module):
+    def __init__(self, vocab: int, d: int, n_layers: int, n_heads: int, ctx: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(RefBlock(d, n_heads) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d, bias=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, 0.0, 0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def reference_tokens_per_s(tokens: np.ndarray, cfg, steps: int, precision: str) -> float:
+    """Training tokens/s of the plain loop: forward, loss, backward, clip, AdamW step."""
+    m, t = cfg.model, cfg.train
+    torch.manual_seed(0)
+    model = RefGPT(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.max_seq_len)
+    decay = [p for p in model.parameters() if p.dim() >= 2 and p is not model.wte.weight]
+    rest = [p for p in model.parameters() if p.dim() < 2 or p is model.wte.weight]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+    B, T = t.batch_size, cfg.data.seq_len
+    data = torch.from_numpy(tokens.astype(np.int64))
+    g = torch.Generator().manual_seed(0)
+    device = torch.device("cpu")
+
+    def step() -> None:
+        ix = torch.randint(len(data) - T - 1, (B,), generator=g)
+        x = torch.stack([data[i : i + T] for i in ix])
+        y = torch.stack([data[i + 1 : i + T + 1] for i in ix])
+        with autocast(precision, device):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(min(10, steps)):  # warm-up
+        step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps * B * T / (time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------- blockformer
+def blockformer_run(data: Path, steps: int, precision: str, work: Path) -> dict:
+    cfg = load_run_config(preset="char-lm-tiny", overrides=[
+        f"data.text={data}", f"train.steps={steps}", f"train.precision={precision}", "train.device=cpu",
+        f"data.cache_dir={work / 'cache'}", f"train.eval_every={max(1, steps // 4)}", "train.samples=0",
+    ])
+    t0 = time.perf_counter()
+    result = train(cfg, work / f"run-{precision}")
+    wall = time.perf_counter() - t0
+    rates = [r["tokens_per_s"] for r in read_metrics(result.run_dir) if r["split"] == "train"]
+    steady = rates[1:] or rates  # the first interval includes start-up
+    return {"val_loss": result.val["val_loss"], "tokens_per_s": float(np.median(steady)), "wall_s": wall,
+            "config": cfg, "run_dir": str(result.run_dir)}
+
+
+def main() -> int:
+    args = parse_args()
+    if not args.data.is_file():
+        print(f"tinyshakespeare not found at {args.data}; pass --data", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for precision in precisions:
+            run = blockformer_run(args.data, args.steps, precision, work)
+            from blockformer.data.token_file import TokenFile  # noqa: PLC0415
+
+            cache = sorted((work / "cache").glob("tokens-*.bin"))[0]
+            tokens = np.asarray(TokenFile(cache).tokens)
+            ref = reference_tokens_per_s(tokens, run["config"], args.reference_steps, precision)
+            rows.append({
+                "precision": precision, "steps": args.steps, "val_loss": run["val_loss"],
+                "tokens_per_s": run["tokens_per_s"], "reference_tokens_per_s": ref,
+                "ratio_vs_reference": run["tokens_per_s"] / ref, "wall_s": run["wall_s"],
+            })
+            print(json.dumps(rows[-1]), flush=True)
+    report = {"benchmark": "tinyshakespeare char-lm-tiny", "threads": torch.get_num_threads(),
+              "target_val_loss": 1.88, "command": " ".join(sys.argv), "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    md = [f"tinyshakespeare, `char-lm-tiny` shape, {args.steps} steps, {report['threads']} threads "
+          f"(`{report['command']}`)", "",
+          "| precision | val loss (target <= 1.88) | tokens/s | plain PyTorch tokens/s | ratio |",
+          "|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['precision']} | {r['val_loss']:.3f} | {r['tokens_per_s']:,.0f} | "
+                  f"{r['reference_tokens_per_s']:,.0f} | {r['ratio_vs_reference']:.2f} |")
+    args.out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    ok = all(r["val_loss"] <= 1.88 for r in rows) or args.steps < 2000
+    return 0 if ok and all(math.isfinite(r["val_loss"]) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

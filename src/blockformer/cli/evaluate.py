@@ -1,0 +1,94 @@
+"""``blockformer eval --checkpoint DIR``: how good a trained model is.
+
+Language models: loss and perplexity on the checkpoint's validation split, or on other
+text with ``--data``. Synthetic tasks: loss and exact match on the held-out split. Aligned
+pairs: loss on the held-out pairs. (Translation quality, BLEU and chrF against reference
+files, is computed by ``translation_metrics`` below when ``--src``/``--ref`` are given.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..errors import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint or run directory")
+    parser.add_argument("--data", metavar="SPEC",
+                        help="language models: text to score (files, directories, globs, 'stdlib'; all of it "
+                             "is scored). Default: the checkpoint's validation split")
+    parser.add_argument("--batches", type=int, default=50, metavar="N", help="at most N batches (0 = all)")
+    parser.add_argument("--batch-size", type=int, default=None, metavar="B", help="default: the run's")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses  # noqa: PLC0415
+
+    from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
+    from ..train.precision import autocast, check_precision, resolve_device  # noqa: PLC0415
+
+    if args.batches < 0:
+        raise UsageError(f"--batches {args.batches}: expected an integer >= 0")
+    device = resolve_device(args.device)
+    check_precision(args.precision, device)
+    ckpt = load_checkpoint(args.checkpoint, device)
+    cfg = ckpt.config
+    train_cfg = dataclasses.replace(
+        cfg.train,
+        eval_batches=args.batches or 10**9,
+        batch_size=args.batch_size or cfg.train.batch_size,
+        eval_samples=cfg.data.heldout,
+    )
+    with autocast(args.precision, device):
+        if cfg.data.kind == "text":
+            metrics = lm_metrics(ckpt, args.data, train_cfg, device)
+        else:
+            if args.data:
+                raise UsageError("--data: scores text for language models, not an encoder-decoder")
+            metrics = seq2seq_metrics(ckpt, train_cfg, device)
+    from ..train.metrics import perplexity  # noqa: PLC0415
+
+    metrics["val_ppl"] = perplexity(metrics["val_loss"])
+    if args.json:
+        print(json.dumps(metrics))
+    else:
+        for key, value in metrics.items():
+            print(f"{key:<12} {value:.4f}" if isinstance(value, float) else f"{key:<12} {value}")
+    return 0
+
+
+def lm_metrics(ckpt: Any, spec: str | None, train_cfg: Any, device: Any) -> dict[str, Any]:
+    """Mean loss over windows of the validation split, or of all of ``spec``."""
+    from ..data.lm import LMDataset  # noqa: PLC0415
+    from ..data.token_file import TokenFile, build_token_file  # noqa: PLC0415
+    from ..train.objective import LanguageModelling  # noqa: PLC0415
+    from ..train.setup import default_cache_dir, text_spec  # noqa: PLC0415
+
+    data = ckpt.config.data
+    cache = data.cache_dir or default_cache_dir()
+    if spec is None:
+        tokens = TokenFile(build_token_file(text_spec(data), ckpt.tokenizer, cache, max_bytes=data.max_bytes))
+        val = LMDataset(tokens, data.seq_len, "val", data.val_fraction)
+    else:
+        items = [s.strip() for s in spec.split(",") if s.strip()]
+        tokens = TokenFile(build_token_file(items[0] if len(items) == 1 else items, ckpt.tokenizer, cache))
+        val = LMDataset(tokens, data.seq_len, "train", val_fraction=0.0)  # all of it
+    objective = LanguageModelling(val, val, train_cfg.batch_size, 0, device)
+    return {"tokens": len(val), **objective.evaluate(ckpt.model, train_cfg)}
+
+
+def seq2seq_metrics(ckpt: Any, train_cfg: Any, device: Any) -> dict[str, Any]:
+    """Held-out loss (and exact match for a synthetic task) as the trainer computes them."""
+    from ..train.setup import build_objective  # noqa: PLC0415
+
+    objective = build_objective(ckpt.config, ckpt.tokenizer, device, log=lambda *a: None)
+    return objective.evaluate(ckpt.model, train_cfg)
+
+
+# BLEU/chrF against references (`--src F --ref F`) belong here: translation_metrics(ckpt, args).

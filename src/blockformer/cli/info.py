@@ -1,0 +1,93 @@
+"""``blockformer info (--checkpoint DIR | --preset NAME)``: size and cost of a model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..errors import UsageError
+from ..run_config import RunConfig, load_run_config, preset_names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Parameters, training FLOPs per token and a training-memory estimate for one micro-batch, "
+        "for a checkpoint or a preset (with --set overrides)."
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR", help="a checkpoint or run directory")
+    source.add_argument("--preset", metavar="NAME", help="one of: " + ", ".join(preset_names()))
+    source.add_argument("--config", metavar="CONFIG.toml", help="a TOML run config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--batch-size", type=int, default=None, metavar="B", help="default: train.batch_size")
+    parser.add_argument("--seq-len", type=int, default=None, metavar="T",
+                        help="default: data.seq_len (language modelling) or model.max_seq_len")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def model_info(cfg: RunConfig, batch_size: int | None = None, seq_len: int | None = None) -> dict:
+    """The figures ``info`` prints, computed on the meta device (no memory is allocated)."""
+    import torch  # noqa: PLC0415
+
+    from ..models import build_model  # noqa: PLC0415
+    from ..stats import count_parameters, flops_per_token, memory_estimate  # noqa: PLC0415
+
+    m = cfg.model
+    T = seq_len or (cfg.data.seq_len if m.arch == "decoder" else m.max_seq_len)
+    if batch_size is None and m.arch == "encoder-decoder" and cfg.data.kind != "task":
+        batch_size = max(1, cfg.train.max_tokens // T)  # batches of aligned pairs are sized by tokens
+    B = batch_size or cfg.train.batch_size
+    if B < 1 or T < 1:
+        raise UsageError(f"--batch-size {B} / --seq-len {T}: expected integers >= 1")
+    with torch.device("meta"):
+        model = build_model(m)
+    memory = memory_estimate(m, B, T)
+    return {
+        "arch": m.arch,
+        "layers": m.total_layers,
+        "d_model": m.d_model,
+        "n_heads": m.n_heads,
+        "d_ff": m.d_ff,
+        "vocab_size": m.vocab_size,
+        "parameters": count_parameters(model),
+        "parameters_without_embeddings": count_parameters(model, exclude_embeddings=True),
+        "flops_per_token": flops_per_token(m, T),
+        "batch_size": B,
+        "seq_len": T,
+        "memory_bytes": memory,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.checkpoint:
+        from ..train.checkpoint import read_config, resolve_checkpoint  # noqa: PLC0415
+
+        if args.overrides:
+            raise UsageError("--set: applies to --preset or --config, not to a trained checkpoint")
+        cfg = read_config(resolve_checkpoint(args.checkpoint))
+    else:
+        cfg = load_run_config(args.config, args.preset, args.overrides)
+    info = model_info(cfg, args.batch_size, args.seq_len)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    mem = info["memory_bytes"]
+    m = cfg.model
+    layers = f"{m.n_encoder_layers}+{m.n_decoder_layers}" if m.arch == "encoder-decoder" else m.n_layers
+    print(f"arch         {m.arch}: {layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
+          f"d_ff {m.d_ff}, vocab {m.vocab_size}")
+    print(f"parameters   {info['parameters']:,} "
+          f"({info['parameters_without_embeddings']:,} without embeddings)")
+    print(f"FLOPs/token  {info['flops_per_token']:.3e} "
+          f"(training: forward + backward, seq_len {info['seq_len']})")
+    print(f"memory       {_gib(mem['total_bytes'])} for a micro-batch of {info['batch_size']} x "
+          f"{info['seq_len']} in fp32: weights {_gib(mem['weights_bytes'])}, optimizer+grads "
+          f"{_gib(mem['optimizer_bytes'])}, activations {_gib(mem['activation_bytes'])}")
+    if not args.checkpoint and cfg.data.tokenizer in ("char", "bpe"):
+        print(f"note         vocab_size is the config's; training sets it from the {cfg.data.tokenizer} "
+              "tokenizer")
+    return 0
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

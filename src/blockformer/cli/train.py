@@ -1,0 +1,120 @@
+"""``blockformer train [CONFIG.toml] [--preset NAME] [--set section.key=value ...] [--resume DIR]``"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+from ..errors import UsageError
+from ..run_config import RunConfig, load_run_config, parse_override, preset_names
+from ..train.checkpoint import read_config, resolve_checkpoint
+from ..train.metrics import PLOT
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Train a model. The run config has three sections, [model], [data] and [train]; it is built "
+        "from the defaults, then --preset, then CONFIG.toml, then each --set. Output goes to "
+        "runs/<train.name>: checkpoints (step-NNNNNN/, best/), metrics.jsonl and loss.png."
+    )
+    parser.add_argument("config", nargs="?", metavar="CONFIG.toml", help="a TOML run config")
+    parser.add_argument("--preset", metavar="NAME", help="a shipped config: " + ", ".join(preset_names()))
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one value, e.g. --set model.n_layers=6 --set train.lr=1e-3 (repeatable)",
+    )
+    parser.add_argument(
+        "--resume", metavar="DIR", help="continue from a checkpoint, or from a run directory's latest one"
+    )
+    parser.add_argument("--out", metavar="DIR", help="run directory (default: runs/<train.name>)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config (TOML), exit")
+
+
+def resolve_config(args: argparse.Namespace) -> RunConfig:
+    """The run config of ``args``: from the checkpoint when resuming (``--set`` still applies)."""
+    if args.resume is None:
+        return load_run_config(args.config, args.preset, args.overrides)
+    if args.config or args.preset:
+        raise UsageError("--resume: the run config comes from the checkpoint; change it with --set only")
+    data = read_config(resolve_checkpoint(args.resume, prefer="latest")).to_dict()
+    for item in args.overrides:
+        section, key, value = parse_override(item)
+        data[section][key] = value
+    return RunConfig.from_dict(data)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..train.loop import train  # noqa: PLC0415 - keeps `--help` fast
+
+    cfg = resolve_config(args)
+    if args.print_config:
+        print(cfg.to_toml(), end="")
+        return 0
+    if args.out:
+        run_dir = Path(args.out)
+    elif args.resume:
+        run_dir = resolve_checkpoint(args.resume, prefer="latest").parent
+    else:
+        run_dir = Path("runs") / cfg.train.name
+    result = train(cfg, run_dir, resume=args.resume)
+    report(result, cfg)
+    return 0
+
+
+def report(result, cfg: RunConfig) -> None:
+    """What a person wants after training: the figures, some outputs, where things are, what next."""
+    from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
+
+    run_dir = result.run_dir
+    if result.interrupted:
+        print(f"\nstopped at step {result.step}/{cfg.train.steps}; checkpoint saved: {result.checkpoint}")
+        print(f"continue with:  blockformer train --resume {shlex.quote(str(run_dir))}")
+        return
+    ckpt_dir = result.best or result.checkpoint
+    print()
+    if result.val:
+        print("validation: " + "  ".join(f"{k} {v:.4f}" for k, v in result.val.items()))
+    ckpt = load_checkpoint(ckpt_dir)
+    if cfg.model.arch == "decoder" and cfg.train.samples > 0:
+        print(f"\nsamples ({cfg.train.sample_tokens} tokens, temperature 0.8, top-k 50):")
+        for text in lm_samples(ckpt, cfg):
+            print("-" * 60 + "\n" + text)
+        print("-" * 60)
+    elif cfg.data.kind == "task":
+        from ..train.setup import make_task_for  # noqa: PLC0415
+        from ..train.objective import translate_greedy  # noqa: PLC0415
+
+        pairs = make_task_for(cfg.data).heldout(5)
+        outputs = translate_greedy(ckpt.model, ckpt.tokenizer, [s for s, _ in pairs])
+        print("\nheld-out examples (source -> output [reference]):")
+        for (src, ref), out in zip(pairs, outputs):
+            print(f"  {src} -> {out}  [{ref}] {'ok' if out == ref else 'WRONG'}")
+    q = shlex.quote(str(ckpt_dir))
+    print(f"\ncheckpoint: {ckpt_dir}")
+    print(f"loss curve: {run_dir / PLOT}")
+    print(f"metrics:    {run_dir / 'metrics.jsonl'}")
+    print("\nnext:")
+    if cfg.model.arch == "decoder":
+        prompt = next((p for p in cfg.train.sample_prompts if p.strip()), "The ")
+        print(f"  blockformer generate --checkpoint {q} --prompt {shlex.quote(prompt)} --max-new-tokens 300")
+    else:
+        print(f"  blockformer translate --checkpoint {q}   (reads sources from stdin)")
+    print(f"  blockformer eval --checkpoint {q}")
+    print(f"  blockformer info --checkpoint {q}")
+    print(f"  blockformer train --resume {shlex.quote(str(run_dir))} --set train.steps={2 * cfg.train.steps}")
+
+
+def lm_samples(ckpt, cfg: RunConfig) -> list[str]:
+    """``train.samples`` continuations of ``train.sample_prompts`` (cycled), seeded."""
+    from ..generate import generate  # noqa: PLC0415
+    from ..tokenizers import EOS_ID  # noqa: PLC0415
+
+    prompts = cfg.train.sample_prompts or [""]
+    texts = []
+    for i in range(cfg.train.samples):
+        prompt = prompts[i % len(prompts)]
+        [ids] = generate(ckpt.model, [ckpt.tokenizer.encode(prompt) or [EOS_ID]], cfg.train.sample_tokens,
+                         temperature=0.8, top_k=50, eos_id=EOS_ID, seed=cfg.train.seed + i)
+        texts.append(prompt + ckpt.tokenizer.decode(ids))
+    return texts

@@ -1,0 +1,278 @@
+"""The run config: what to train (``model``), on what (``data``) and how (``train``).
+
+One typed dataclass per section, read from TOML, overridden on the command line with
+``--set section.key=value`` and saved in every checkpoint's ``config.json``, so a run is
+described by one file. Layers, later wins: defaults, a preset, a TOML file, ``--set``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from .config import TransformerConfig, _check_types, _describe, _is_union, dumps_toml, suggest
+from .errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+Schedule = Literal["noam", "cosine", "constant"]
+Precision = Literal["fp32", "bf16", "fp16"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from. Exactly one kind of source is used, chosen in this order:
+    a synthetic ``task``; an aligned pair ``src``/``tgt`` (sequence-to-sequence); ``text``
+    for language modelling (files, directories, globs, comma-separated, or ``stdlib``)."""
+
+    text: str = "stdlib"
+    src: str = ""  # aligned source/target files, one sentence per line (.gz read directly)
+    tgt: str = ""
+    val_src: str = ""  # optional held-out pair; by default val_fraction of src/tgt is held out
+    val_tgt: str = ""
+    task: str = ""  # copy | reverse | sort | add: generated on the fly
+    task_min_len: int = 3  # copy/reverse/sort: source lengths (over the letters a-j)
+    task_max_len: int = 12
+    task_digits: int = 3  # add: digits per operand, at most
+    heldout: int = 500  # synthetic examples held out for evaluation
+    tokenizer: str = "byte"  # char | byte | bpe, or a path to a tokenizer.json / checkpoint
+    vocab_size: int = 8000  # bpe only
+    max_bytes: int | None = None  # cap on the text read (the stdlib corpus is ~30 MB)
+    seq_len: int = 128  # language modelling window
+    val_fraction: float = 0.1
+    cache_dir: str = ""  # token-file cache; "" = ~/.cache/blockformer
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _positive(self, "task_min_len", "task_max_len", "task_digits", "heldout", "vocab_size", "seq_len")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise UsageError(f"data.val_fraction={self.val_fraction!r}: expected a float in [0, 1)")
+        if self.task_min_len > self.task_max_len:
+            raise UsageError("data.task_min_len: expected <= data.task_max_len")
+        if bool(self.src) != bool(self.tgt):
+            raise UsageError("data.src/data.tgt: expected both files of the aligned pair, or neither")
+
+    @property
+    def kind(self) -> Literal["task", "pairs", "text"]:
+        """Which objective the data asks for: synthetic task, aligned pairs or plain text."""
+        if self.task:
+            return "task"
+        return "pairs" if self.src else "text"
+
+
+@dataclass
+class TrainConfig:
+    """How to train. ``lr`` is the peak learning rate; under ``noam`` it is the factor
+    multiplying the paper's ``d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)``."""
+
+    name: str = "run"  # output goes to runs/<name> unless --out is given
+    steps: int = 1000  # optimizer steps
+    batch_size: int = 32  # sequences per micro-batch (language modelling, synthetic tasks)
+    max_tokens: int = 2048  # aligned pairs: padded tokens per micro-batch (length-bucketed)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 3e-4
+    schedule: Schedule = "cosine"
+    warmup: int = 100  # steps of linear warmup (noam: the paper's warmup_steps)
+    min_lr: float = 0.0  # cosine floor
+    weight_decay: float = 0.1  # decoupled (AdamW); never on norms, biases, embeddings
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    label_smoothing: float = 0.0
+    precision: Precision = "fp32"
+    device: Device = "auto"
+    compile: bool = False
+    seed: int = 0
+    eval_every: int = 200  # also saves a checkpoint; 0 = only at the end
+    eval_batches: int = 20
+    eval_samples: int = 200  # synthetic tasks: held-out examples decoded for exact match
+    log_every: int = 10
+    keep_last: int = 2  # checkpoints kept besides the best
+    progress: bool = True
+    samples: int = 3  # language modelling: texts sampled at the end of `blockformer train`
+    sample_tokens: int = 200
+    sample_prompts: list[str] = field(default_factory=lambda: [""])  # cycled over the samples
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        prompts = self.sample_prompts
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise UsageError(f"train.sample_prompts={self.sample_prompts!r}: expected a list of strings")
+        _positive(self, "steps", "batch_size", "max_tokens", "grad_accum", "eval_batches", "log_every")
+        _positive(self, "keep_last", "eval_samples")
+        for name in ("lr", "eps"):
+            if getattr(self, name) <= 0:
+                raise UsageError(f"train.{name}={getattr(self, name)!r}: expected a float > 0")
+        for name in ("warmup", "eval_every"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"train.{name}={getattr(self, name)!r}: expected an integer >= 0")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise UsageError(f"train.label_smoothing={self.label_smoothing!r}: expected a float in [0, 1)")
+        if self.schedule == "noam" and self.warmup == 0:
+            raise UsageError("train.warmup=0: expected an integer >= 1 with schedule='noam'")
+
+
+def _positive(obj: Any, *names: str) -> None:
+    section = SECTION_OF[type(obj).__name__]
+    for name in names:
+        if getattr(obj, name) < 1:
+            raise UsageError(f"{section}.{name}={getattr(obj, name)!r}: expected an integer >= 1")
+
+
+SECTION_OF = {"DataConfig": "data", "TrainConfig": "train", "TransformerConfig": "model"}
+
+
+@dataclass
+class RunConfig:
+    model: TransformerConfig = field(default_factory=TransformerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        check_keys(data)
+        return cls(
+            model=TransformerConfig(**data.get("model", {})),
+            data=DataConfig(**data.get("data", {})),
+            train=TrainConfig(**data.get("train", {})),
+        )
+
+    def to_toml(self, path: str | Path | None = None) -> str:
+        text = dumps_toml(self.to_dict())
+        if path is not None:
+            Path(path).write_text(text, encoding="utf-8")
+        return text
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+
+SECTIONS: dict[str, type] = {"model": TransformerConfig, "data": DataConfig, "train": TrainConfig}
+
+
+def check_keys(data: dict[str, Any]) -> None:
+    """Unknown sections or keys raise UsageError naming them and the closest valid name."""
+    for section, values in data.items():
+        if section not in SECTIONS:
+            hint = suggest(section, list(SECTIONS))
+            raise UsageError(f"[{section}]: unknown section{hint}; expected one of " + ", ".join(SECTIONS))
+        if not isinstance(values, dict):
+            raise UsageError(f"{section}: expected a table of key = value")
+        names = [f.name for f in fields(SECTIONS[section])]
+        for key in values:
+            if key not in names:
+                raise UsageError(f"{section}.{key}: unknown key{suggest(key, names)}")
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file as a dict; missing, empty or malformed files raise UsageError."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{path}: config file not found")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise UsageError(f"{path}: config file is empty; expected [model], [data] and [train] tables")
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"{path}: not valid TOML ({e})") from None
+    check_keys(data)
+    return data
+
+
+# ---------------------------------------------------------------------- presets
+def preset_names() -> list[str]:
+    files = resources.files("blockformer.presets").iterdir()
+    return sorted(f.name[: -len(".toml")] for f in files if f.name.endswith(".toml"))
+
+
+def read_preset(name: str) -> dict[str, Any]:
+    names = preset_names()
+    if name not in names:
+        hint = suggest(name, names)
+        raise UsageError(f"--preset {name}: unknown preset{hint}; available: " + ", ".join(names))
+    text = resources.files("blockformer.presets").joinpath(f"{name}.toml").read_text(encoding="utf-8")
+    data = tomllib.loads(text)
+    check_keys(data)
+    return data
+
+
+# ---------------------------------------------------------------------- overrides
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """``"train.lr=1e-3"`` -> ``("train", "lr", 0.001)``, typed by the field's annotation."""
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise UsageError(f"--set {item}: expected section.key=value, e.g. train.lr=1e-3")
+    dotted, raw = item.split("=", 1)
+    section, key = dotted.strip().split(".", 1)
+    check_keys({section: {key: None}})
+    hint = get_type_hints(SECTIONS[section])[key]
+    return section, key, _parse_value(f"{section}.{key}", raw.strip(), hint)
+
+
+def _parse_value(name: str, raw: str, hint: Any) -> Any:
+    options = get_args(hint) if _is_union(hint) else (hint,)
+    if type(None) in options and raw.lower() in ("none", "null"):
+        return None
+    for option in options:
+        try:
+            return _convert(raw, option)
+        except ValueError:
+            continue
+    raise UsageError(f"--set {name}={raw}: expected {_describe(hint)}")
+
+
+def _convert(raw: str, hint: Any) -> Any:
+    if get_origin(hint) is Literal:
+        if raw in get_args(hint):
+            return raw
+        raise ValueError(raw)
+    if hint is bool:
+        table = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+        if raw.lower() in table:
+            return table[raw.lower()]
+        raise ValueError(raw)
+    if hint is int:
+        return int(raw)
+    if hint is float:
+        return float(raw)
+    if hint is str:
+        return raw
+    if get_origin(hint) is list:  # --set train.sample_prompts="def ,class "
+        return [_convert(part, get_args(hint)[0]) for part in raw.split(",")]
+    raise ValueError(raw)
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """``update`` laid over ``base``, section by section."""
+    out = {section: dict(values) for section, values in base.items()}
+    for section, values in update.items():
+        out.setdefault(section, {}).update(values)
+    return out
+
+
+def load_run_config(
+    config: str | Path | None = None, preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> RunConfig:
+    """Defaults, then ``preset``, then the TOML file ``config``, then ``--set`` overrides."""
+    data: dict[str, Any] = {}
+    if preset:
+        data = merge(data, read_preset(preset))
+    if config:
+        data = merge(data, read_toml(config))
+    for item in overrides:
+        section, key, value = parse_override(item)
+        data = merge(data, {section: {key: value}})
+    return RunConfig.from_dict(data)

@@ -1,0 +1,267 @@
+"""The training loop: a short function; each feature lives in its own small module.
+
+``train(cfg)`` builds the tokenizer, model and data from a run config (or restores them
+from a checkpoint), then repeats: gather ``grad_accum`` micro-batches, backpropagate their
+token-weighted loss, clip, step AdamW and the schedule. Every ``eval_every`` steps it
+evaluates, saves a checkpoint and keeps the last k and the best. SIGINT/SIGTERM finish the
+current step, save, and return.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..run_config import RunConfig
+from ..stats import count_parameters
+from .checkpoint import (
+    load_trainer_state,
+    load_weights,
+    mark_best,
+    prune,
+    resolve_checkpoint,
+    save_checkpoint,
+    step_dir_name,
+)
+from .metrics import MetricsLog, perplexity, plot_losses
+from .optim import build_optimizer
+from .precision import autocast, check_precision, grad_scaler, resolve_device
+from .schedule import build_scheduler
+from .setup import Objective, build_run
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    checkpoint: Path | None  # the last checkpoint written
+    best: Path | None  # the checkpoint with the lowest validation loss
+    losses: list[float] = field(default_factory=list)  # training loss of each step of this call
+    val: dict[str, float] = field(default_factory=dict)  # the last evaluation
+    interrupted: bool = False
+
+
+def train(
+    cfg: RunConfig,
+    run_dir: str | Path,
+    *,
+    resume: str | Path | None = None,
+    stop_at: int | None = None,
+    log: Any = print,
+) -> TrainResult:
+    """Train ``cfg`` into ``run_dir``; ``resume`` continues from a checkpoint (or a run
+    directory's latest). ``stop_at`` ends this call early at that step, saving a checkpoint,
+    as if interrupted."""
+    run_dir = Path(run_dir)
+    tc = cfg.train
+    device = resolve_device(tc.device)
+    check_precision(tc.precision, device)
+    state = None
+    if resume is not None:
+        resume = resolve_checkpoint(resume, prefer="latest")
+        state = load_trainer_state(resume)
+    else:
+        torch.manual_seed(tc.seed)
+    run = build_run(cfg, device, tokenizer_from=resume, log=log)
+    cfg, model, objective = run.config, run.model, run.objective  # model.vocab_size now set
+    if resume is not None:
+        load_weights(model, resume, device)
+    optimizer = build_optimizer(model, tc)
+    scheduler = build_scheduler(optimizer, tc, cfg.model.d_model)
+    scaler = grad_scaler(tc.precision, device)
+    step, best_loss = 0, float("inf")
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        objective.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        step, best_loss = state["step"], state["best_val_loss"]
+    elif run_dir.exists():
+        _clear_previous_run(run_dir, log)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.to_toml(run_dir / "config.toml")
+    metrics = MetricsLog(run_dir, resume_step=step if state is not None else None)
+    fwd_model = torch.compile(model) if tc.compile else model
+    log(
+        f"training {cfg.model.arch} ({count_parameters(model) / 1e6:.2f}M parameters) on {device} "
+        f"in {tc.precision}, {tc.steps} steps -> {run_dir}"
+    )
+
+    def save(val: dict[str, float] | None) -> Path:
+        nonlocal best_loss
+        trainer_state = {
+            "step": step,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
+            "data": objective.state_dict(),
+            "rng": get_rng_state(),
+            "best_val_loss": min(best_loss, val["val_loss"]) if val else best_loss,
+        }
+        path = save_checkpoint(run_dir / step_dir_name(step), model, run.tokenizer, cfg, trainer_state)
+        if val and val["val_loss"] < best_loss:
+            best_loss = val["val_loss"]
+            mark_best(run_dir, path)
+        prune(run_dir, tc.keep_last)
+        return path
+
+    result = TrainResult(run_dir=run_dir, step=step, checkpoint=None, best=None)
+    last_stop = tc.steps if stop_at is None else min(stop_at, tc.steps)
+    stopper = _Stopper()
+    bar = _progress(tc, step, last_stop)
+    pending: list[torch.Tensor] = []
+    t0, tokens_seen = time.perf_counter(), 0
+    params = [p for p in model.parameters() if p.requires_grad]
+    with stopper:
+        while step < last_stop and not stopper.requested:
+            batches = [objective.next_batch() for _ in range(tc.grad_accum)]
+            lr = scheduler.get_last_lr()[0]
+            pending.append(train_step(fwd_model, objective, batches, optimizer, scaler, params, tc, device))
+            scheduler.step()
+            step += 1
+            tokens_seen += sum(objective.count_tokens(b) for b in batches)
+            if bar is not None:
+                bar.update(1)
+            if step % tc.log_every == 0 or step == last_stop:
+                losses = torch.stack(pending).tolist()
+                pending.clear()
+                result.losses.extend(losses)
+                tok_s = tokens_seen / max(time.perf_counter() - t0, 1e-9)
+                loss = sum(losses) / len(losses)  # the mean since the last log
+                metrics.write({"split": "train", "step": step, "loss": loss, "lr": lr, "tokens_per_s": tok_s})
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
+                t0, tokens_seen = time.perf_counter(), 0
+            if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
+                t_eval = time.perf_counter()
+                result.val = _evaluate(objective, model, tc, device, step, metrics, bar, log)
+                result.checkpoint = save(result.val)
+                t0 += time.perf_counter() - t_eval  # tokens/s counts training time only
+        if pending:
+            result.losses.extend(torch.stack(pending).tolist())
+        if result.checkpoint is None or not result.checkpoint.name.endswith(f"{step:06d}"):
+            result.checkpoint = save(None)  # stopped between evaluations
+    if bar is not None:
+        bar.close()
+    result.step = step
+    result.interrupted = step < tc.steps
+    best = run_dir / "best"
+    result.best = best if best.exists() else None
+    plot_losses(run_dir)
+    return result
+
+
+def train_step(
+    model: torch.nn.Module,
+    objective: Objective,
+    batches: list[Any],
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    params: list[torch.nn.Parameter],
+    tc: Any,
+    device: torch.device,
+) -> torch.Tensor:
+    """One optimizer update from ``batches`` (the micro-batches of gradient accumulation),
+    each weighted by its share of the target tokens; returns the mean loss per token."""
+    model.train()
+    n_targets = sum(objective.count_targets(b) for b in batches)
+    total = torch.zeros((), device=device)
+    for batch in batches:
+        with autocast(tc.precision, device):
+            loss_sum = objective.loss(model, batch, tc.label_smoothing)
+        scaler.scale(loss_sum / n_targets).backward()
+        total += loss_sum.detach()
+    scaler.unscale_(optimizer)  # clip the true gradients (a no-op unless fp16)
+    if tc.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return total / n_targets
+
+
+def _evaluate(objective: Objective, model, tc, device, step, metrics, bar, log) -> dict[str, float]:
+    with autocast(tc.precision, device):
+        val = objective.evaluate(model, tc)
+    val["val_ppl"] = perplexity(val["val_loss"])
+    metrics.write({"split": "val", "step": step, **val})
+    text = "  ".join(f"{k} {v:.4g}" for k, v in val.items())
+    (bar.write if bar is not None else log)(f"step {step}: {text}")
+    return val
+
+
+def _progress(tc, start: int, stop: int):
+    if not tc.progress:
+        return None
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    return tqdm(total=stop, initial=start, desc="train", unit="step", dynamic_ncols=True, smoothing=0.1)
+
+
+def _clear_previous_run(run_dir: Path, log: Any) -> None:
+    """A fresh run in a used directory replaces the old run's checkpoints and metrics."""
+    from .checkpoint import BEST, step_checkpoints  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    old = step_checkpoints(run_dir)
+    if old:
+        log(f"{run_dir}: replacing the previous run there ({len(old)} checkpoints)")
+    for p in old:
+        shutil.rmtree(p)
+    if (run_dir / BEST).is_symlink():
+        (run_dir / BEST).unlink()
+
+
+# ---------------------------------------------------------------------- RNG state
+def get_rng_state() -> dict[str, Any]:
+    """Every random stream training reads (dropout: torch; anything else: python, numpy)."""
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _Stopper:
+    """Turns SIGINT/SIGTERM into a request to stop after the current step (main thread only)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> "_Stopper":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -65,3 +65,9 @@ def test_depth_derived_residual_scales():
     assert trunk.resolved_residual_scale(8) == pytest.approx(16**0.25)  # DeepNet alpha = (2N)^(1/4)
     branch = TransformerConfig(residual="scaled")
     assert branch.resolved_residual_scale(8) == pytest.approx(0.25)  # 1/sqrt(2N)
+
+
+def test_sinusoidal_positions_scale_embeddings_by_default():
+    assert TransformerConfig(position="sinusoidal").scale_embeddings is True
+    assert TransformerConfig(position="rope").scale_embeddings is False
+    assert TransformerConfig(position="sinusoidal", scale_embeddings=False).scale_embeddings is False

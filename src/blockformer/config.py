@@ -42,7 +42,7 @@ class TransformerConfig:
     ``None`` in a size field means "derive it": ``n_kv_heads`` -> ``n_heads``,
     ``d_ff`` -> ``4 * d_model`` (``8/3 * d_model`` rounded up to a multiple of 8 for the
     gated FFNs, which keeps the parameter count of the ungated one), encoder/decoder depths
-    -> ``n_layers``. Derived values are filled in when the config is built, so a saved
+    -> ``n_layers``, ``scale_embeddings`` -> whether ``position == "sinusoidal"``. Derived values are filled in when the config is built, so a saved
     config states every size explicitly.
     """
 
@@ -74,7 +74,7 @@ class TransformerConfig:
     relative_max_distance: int = 128
     bias: bool = True  # biases in the attention and FFN projections
     tie_embeddings: bool = True
-    scale_embeddings: bool = False  # multiply embeddings by sqrt(d_model), as in the paper
+    scale_embeddings: bool | None = None  # x sqrt(d_model) as in the paper; None: iff sinusoidal
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -82,6 +82,10 @@ class TransformerConfig:
         self._validate()
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        if self.scale_embeddings is None:
+            # Unit-amplitude sinusoids would drown 0.02-scale embeddings: scale them up, as the
+            # paper does (embeddings init at d_model^-0.5, times sqrt(d_model)).
+            self.scale_embeddings = self.position == "sinusoidal"
         if self.d_ff is None:
             self.d_ff = (
                 _round_up(8 * self.d_model // 3, 8) if self.ffn in GATED_FFNS else 4 * self.d_model

@@ -25,6 +25,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    from .translate import add_decoding_arguments  # noqa: PLC0415
+    from ..generate.scoring import BLEU_TOKENIZERS  # noqa: PLC0415
+
+    group = parser.add_argument_group("translation quality (encoder-decoders): sacreBLEU BLEU and chrF")
+    group.add_argument("--src", metavar="F", help="source sentences to translate, one per line (.gz read directly)")
+    group.add_argument("--ref", metavar="F", help="their reference translations, one per line")
+    group.add_argument("--tokenize", default="13a", choices=BLEU_TOKENIZERS, help="sacreBLEU tokenizer (default 13a)")
+    group.add_argument("--hyp-output", metavar="F", help="also write the translations to F")
+    add_decoding_arguments(group, batch_default=None)  # --batch-size above: sentences per batch here (default 64)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,6 +42,17 @@ def run(args: argparse.Namespace) -> int:
     from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
     from ..train.precision import autocast, check_precision, resolve_device  # noqa: PLC0415
 
+    if args.src or args.ref:
+        from .translate import print_translation_metrics, translation_metrics  # noqa: PLC0415
+
+        if not args.src:
+            raise UsageError("--src: missing; expected the source sentences that --ref translates")
+        metrics = translation_metrics(args)
+        if args.json:
+            print(json.dumps(metrics))
+        else:
+            print_translation_metrics(metrics)
+        return 0
     if args.batches < 0:
         raise UsageError(f"--batches {args.batches}: expected an integer >= 0")
     device = resolve_device(args.device)
@@ -90,5 +110,3 @@ def seq2seq_metrics(ckpt: Any, train_cfg: Any, device: Any) -> dict[str, Any]:
     objective = build_objective(ckpt.config, ckpt.tokenizer, device, log=lambda *a: None)
     return objective.evaluate(ckpt.model, train_cfg)
 
-
-# BLEU/chrF against references (`--src F --ref F`) belong here: translation_metrics(ckpt, args).

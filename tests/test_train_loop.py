@@ -107,6 +107,24 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path, monkeypat
     assert stopped.losses + resumed.losses == straight.losses
 
 
+def test_max_minutes_stops_after_the_budget_and_saves(tmp_path, monkeypatch):
+    from blockformer.train import loop
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(loop.time, "monotonic", lambda: clock["t"])
+    original = loop.train_step
+
+    def step(*args, **kwargs):
+        clock["t"] += 25.0  # each step "takes" 25 s
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", step)
+    cfg = tiny_lm(tmp_path, "train.steps=50", "train.eval_every=0", "train.max_minutes=1")
+    result = train(cfg, tmp_path / "run", **QUIET)
+    assert result.interrupted and result.step == 3  # 50 s < 60 s after two steps, 75 s after three
+    assert load_trainer_state(result.checkpoint)["step"] == 3
+
+
 def test_metrics_evaluations_checkpoints_and_plot(tmp_path):
     cfg = tiny_lm(tmp_path, "train.steps=12", "train.eval_every=4", "train.log_every=2", "train.keep_last=2",
                   "train.lr=3e-3")

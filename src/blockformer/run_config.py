@@ -76,6 +76,7 @@ class TrainConfig:
 
     name: str = "run"  # output goes to runs/<name> unless --out is given
     steps: int = 1000  # optimizer steps
+    max_minutes: float = 0.0  # stop (saving a checkpoint) after this much training time; 0 = off
     batch_size: int = 32  # sequences per micro-batch (language modelling, synthetic tasks)
     max_tokens: int = 2048  # aligned pairs: padded tokens per micro-batch (length-bucketed)
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -113,6 +114,8 @@ class TrainConfig:
         for name in ("lr", "eps"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"train.{name}={getattr(self, name)!r}: expected a float > 0")
+        if self.max_minutes < 0:
+            raise UsageError(f"train.max_minutes={self.max_minutes!r}: expected a float >= 0 (0 = no limit)")
         for name in ("warmup", "eval_every"):
             if getattr(self, name) < 0:
                 raise UsageError(f"train.{name}={getattr(self, name)!r}: expected an integer >= 0")

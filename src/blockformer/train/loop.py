@@ -3,8 +3,8 @@
 ``train(cfg)`` builds the tokenizer, model and data from a run config (or restores them
 from a checkpoint), then repeats: gather ``grad_accum`` micro-batches, backpropagate their
 token-weighted loss, clip, step AdamW and the schedule. Every ``eval_every`` steps it
-evaluates, saves a checkpoint and keeps the last k and the best. SIGINT/SIGTERM finish the
-current step, save, and return.
+evaluates, saves a checkpoint and keeps the last k and the best. SIGINT/SIGTERM, or
+``train.max_minutes`` running out, finish the current step, save, and return.
 """
 
 from __future__ import annotations
@@ -121,8 +121,9 @@ def train(
     pending: list[torch.Tensor] = []
     t0, tokens_seen = time.perf_counter(), 0
     params = [p for p in model.parameters() if p.requires_grad]
+    deadline = time.monotonic() + 60 * tc.max_minutes if tc.max_minutes else float("inf")
     with stopper:
-        while step < last_stop and not stopper.requested:
+        while step < last_stop and not stopper.requested and time.monotonic() < deadline:
             batches = [objective.next_batch() for _ in range(tc.grad_accum)]
             lr = scheduler.get_last_lr()[0]
             pending.append(train_step(fwd_model, objective, batches, optimizer, scaler, params, tc, device))

@@ -316,6 +316,8 @@ def test_add_task_adds():
     for src, tgt in [task.sample(g) for _ in range(200)]:
         a, b = src.split("+")
         assert int(tgt) == int(a) + int(b) and max(int(a), int(b)) < 1000
+        assert len(a) == len(b) == 3  # zero-padded to a fixed width
+    assert task.target("007+045") == "52"
     assert task.target("123+456") == "579" and task.target("999+1") == "1000"
     assert task.alphabet == "0123456789+"
 

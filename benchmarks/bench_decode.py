@@ -17,7 +17,9 @@ token. What to expect: on a CPU at batch 1 both libraries are bound by reading e
 weight from memory once per token (about 0.5 GB in fp32 for GPT-2 small, 25-45 ms per
 token on one core), so only framework overhead separates them: expect roughly parity in
 fp32 and a modest lead in bf16 (a 4-layer check on a 2-core EPYC gave about 1.0x fp32,
-1.25x bf16), not 2x. On a GPU, where per-kernel launch overhead dominates at batch 1,
+1.25x bf16), not 2x. Reading fewer bytes per token is what helps on a CPU: the ``int8-*``
+variants store the matmul weights as int8 with per-channel scales (weight-only
+quantization, as gpt-fast does), so the step reads 4x fewer weight bytes than fp32. On a GPU, where per-kernel launch overhead dominates at batch 1,
 the compiled step replayed as a CUDA graph is expected to be several times faster.
 """
 
@@ -25,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
 from blockformer import TransformerConfig, build_model
 from blockformer.generate import generate
+from blockformer.generate.quantize import Int8Linear, quantize_int8
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -46,7 +50,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per variant (the best is kept)")
-    p.add_argument("--skip", nargs="*", default=[], choices=["nocache", "cache", "compiled", "hf"],
+    p.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
+    p.add_argument("--skip", nargs="*", default=[],
+                   choices=["nocache", "cache", "compiled", "int8-cache", "int8-compiled", "hf"],
                    help="variants to leave out (nocache is slow: it recomputes the whole sequence)")
     return p.parse_args()
 
@@ -84,16 +90,21 @@ def main() -> None:
         "nocache": dict(use_cache=False),
         "cache": dict(use_cache=True),
         "compiled": dict(use_cache=True, compile=True),
+        "int8-cache": dict(use_cache=True),
+        "int8-compiled": dict(use_cache=True, compile=True),
     }
     for name, kw in variants.items():
         if name in args.skip:
             continue
+        if name.startswith("int8") and not any(isinstance(m, Int8Linear) for m in ours.modules()):
+            quantize_int8(ours)  # int8 weights (per-channel scales), activations in --dtype
+            torch._dynamo.reset()
 
         def run(tokens: int = n, kw=kw) -> None:
             out = generate(ours, prompt, tokens, temperature=0, **kw)
             assert len(out[0]) == tokens
 
-        run(n if name == "compiled" else min(n, 8))  # warm-up (the compiled step's shapes depend on n)
+        run(n if "compiled" in name else min(n, 8))  # warm-up (the compiled step's shapes depend on n)
         results[f"blockformer {name}"] = n / timed(run, device, args.repeats)
     del ours
 
@@ -119,14 +130,17 @@ def main() -> None:
         results["hf GPT2LMHeadModel.generate"] = n / timed(run_hf, device, args.repeats)
 
     hf_rate = results.get("hf GPT2LMHeadModel.generate")
-    print(f"greedy decode, batch 1, prompt {args.prompt}, {n} new tokens, {args.layers} layers, "
-          f"d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, {args.dtype}, {device}, "
-          f"threads {torch.get_num_threads()}, torch {torch.__version__}")
-    print("| variant | tokens/s | vs HF |")
-    print("| --- | ---: | ---: |")
+    lines = [f"greedy decode, batch 1, prompt {args.prompt}, {n} new tokens, {args.layers} layers, "
+             f"d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, {args.dtype}, {device}, "
+             f"threads {torch.get_num_threads()}, best of {args.repeats}, torch {torch.__version__}",
+             "", "| variant | tokens/s | vs HF |", "| --- | ---: | ---: |"]
     for name, rate in results.items():
         ratio = f"{rate / hf_rate:.2f}x" if hf_rate else "-"
-        print(f"| {name} | {rate:.1f} | {ratio} |")
+        lines.append(f"| {name} | {rate:.1f} | {ratio} |")
+    print("\n".join(lines))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

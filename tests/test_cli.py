@@ -72,6 +72,26 @@ def test_generate_is_deterministic_for_a_seed(lm_run, capsys):
     assert capsys.readouterr().out != first  # another seed, another sample
 
 
+def test_generate_streams_stops_at_a_stop_string_and_runs_greedy_int8(lm_run, capsys):
+    run_dir, args = lm_run
+    if not (run_dir / "best").exists():
+        main(args)
+    ckpt = load_checkpoint(run_dir)
+    [ids] = generate(ckpt.model, [ckpt.tokenizer.encode("def f")], 40, temperature=0, eos_id=EOS_ID)
+    full = ckpt.tokenizer.decode(ids)
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "def f", "--max-new-tokens", "40",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == "def f" + full + "\n"  # the streamed pieces add up to the text
+    stop = full[3:5]  # a string the greedy text contains: output ends just before it
+    assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "def f", "--max-new-tokens", "40",
+                 "--temperature", "0", "--stop", stop]) == 0
+    assert capsys.readouterr().out == "def f" + full[: full.index(stop)] + "\n"
+    assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "def f", "--max-new-tokens", "10",
+                 "--temperature", "0", "--quantize", "int8", "--precision", "bf16"]) == 0
+    assert capsys.readouterr().out.startswith("def f")
+
+
 def test_eval_prints_loss_and_perplexity(lm_run, capsys):
     run_dir, args = lm_run
     if not (run_dir / "best").exists():

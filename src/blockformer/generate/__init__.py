@@ -4,6 +4,7 @@ search; streaming text. All decoding runs on the model's preallocated KV cache."
 from .batching import pad_batch, positions_from_mask
 from .beam import Hypothesis, beam_search, length_penalty
 from .decoder import generate
+from .quantize import Int8Linear, quantize_int8
 from .sampling import Sampling, choose, process_logits, sample, top_k_filter, top_p_filter
 from .seq2seq import greedy_decode, target_limits
 from .stream import TextStream
@@ -14,6 +15,8 @@ __all__ = [
     "greedy_decode",
     "beam_search",
     "translate",
+    "quantize_int8",
+    "Int8Linear",
     "Hypothesis",
     "length_penalty",
     "TextStream",

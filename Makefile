@@ -26,9 +26,15 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
+# Every benchmark in BENCHMARKS.md, one after another (about 80 minutes on 2 cores): two torch
+# processes at once would slow each other several-fold.
 bench: install
 	$(PY) -m pip install -q -e '.[bench]'
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/bench_tinyshakespeare.py --threads 2
+	$(PY) benchmarks/bench_tasks.py --threads 2
+	$(PY) benchmarks/bench_translate.py --threads 2 --max-minutes 30 --set train.keep_last=10 --set train.progress=false
+	$(PY) benchmarks/bench_decode.py --threads 2 --dtype fp32 --out benchmarks/results/decode-fp32.md
+	$(PY) benchmarks/bench_decode.py --threads 2 --dtype bf16 --skip nocache --repeats 3 --out benchmarks/results/decode-bf16.md
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -125,3 +125,25 @@ def test_missing_checkpoints_are_usage_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsageError, match="config.json missing"):
         load_checkpoint(tmp_path / "empty")
+
+
+def test_damaged_files_are_usage_errors_naming_the_file(tmp_path):
+    cfg, model, tok = _setup()
+    path = save_checkpoint(tmp_path / "ck", model, tok, cfg, {"step": 1})
+    weights, state = path / "model.safetensors", path / "trainer_state.pt"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated, as by a full disk
+    with pytest.raises(UsageError, match=r"model.safetensors: cannot load the weights \(.*header"):
+        load_checkpoint(path)
+    state.write_bytes(state.read_bytes()[:50])
+    with pytest.raises(UsageError, match=r"trainer_state.pt: cannot read the trainer state"):
+        load_trainer_state(path)
+
+
+def test_weights_of_another_shape_are_refused(tmp_path):
+    cfg, model, tok = _setup()
+    path = save_checkpoint(tmp_path / "ck", model, tok, cfg)
+    meta = json.loads((path / "config.json").read_text())
+    meta["model"]["d_model"] = 64  # config edited after training
+    (path / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(UsageError, match=r"model.safetensors: cannot load the weights"):
+        load_checkpoint(path)

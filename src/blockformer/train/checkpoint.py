@@ -191,7 +191,12 @@ def load_weights(model: nn.Module, path: str | Path, device: torch.device | str 
     file = resolve_checkpoint(path) / WEIGHTS
     if not file.is_file():
         raise UsageError(f"{file}: weights file not found")
-    safetensors.torch.load_model(unwrap(model), str(file), strict=True, device=str(device))
+    try:
+        safetensors.torch.load_model(unwrap(model), str(file), strict=True, device=str(device))
+    except (safetensors.SafetensorError, RuntimeError) as e:  # truncated file, or weights of another shape
+        reason = str(e).strip().splitlines()[0]
+        raise UsageError(f"{file}: cannot load the weights ({reason}); expected the file written with "
+                         f"this checkpoint's config.json") from None
 
 
 def load_tokenizer_for(path: str | Path, vocab_size: int) -> Any:
@@ -230,4 +235,8 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
     file = Path(path) / STATE
     if not file.is_file():
         raise UsageError(f"{file}: trainer state not found; expected a checkpoint from `blockformer train`")
-    return torch.load(file, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises many types for a damaged file: name it, do not trace back
+        raise UsageError(f"{file}: cannot read the trainer state ({type(e).__name__}); the file is damaged, "
+                         f"resume from an earlier checkpoint") from None

@@ -19,7 +19,8 @@ token on one core), so only framework overhead separates them: expect roughly pa
 fp32 and a modest lead in bf16 (a 4-layer check on a 2-core EPYC gave about 1.0x fp32,
 1.25x bf16), not 2x. Reading fewer bytes per token is what helps on a CPU: the ``int8-*``
 variants store the matmul weights as int8 with per-channel scales (weight-only
-quantization, as gpt-fast does), so the step reads 4x fewer weight bytes than fp32. On a GPU, where per-kernel launch overhead dominates at batch 1,
+quantization, as gpt-fast does), so the step reads 4x fewer weight bytes than fp32; the
+``int4-*`` variants (groups of 128 weights sharing a scale and offset) 8x fewer. On a GPU, where per-kernel launch overhead dominates at batch 1,
 the compiled step replayed as a CUDA graph is expected to be several times faster.
 """
 
@@ -33,7 +34,7 @@ import torch
 
 from blockformer import TransformerConfig, build_model
 from blockformer.generate import generate
-from blockformer.generate.quantize import Int8Linear, quantize_int8
+from blockformer.generate.quantize import QuantizedLinear, quantize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -52,7 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per variant (the best is kept)")
     p.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     p.add_argument("--skip", nargs="*", default=[],
-                   choices=["nocache", "cache", "compiled", "int8-cache", "int8-compiled", "hf"],
+                   choices=["nocache", "cache", "compiled", "int8-cache", "int8-compiled", "int4-cache",
+                            "int4-compiled", "hf"],
                    help="variants to leave out (nocache is slow: it recomputes the whole sequence)")
     return p.parse_args()
 
@@ -92,12 +94,20 @@ def main() -> None:
         "compiled": dict(use_cache=True, compile=True),
         "int8-cache": dict(use_cache=True),
         "int8-compiled": dict(use_cache=True, compile=True),
+        "int4-cache": dict(use_cache=True),
+        "int4-compiled": dict(use_cache=True, compile=True),
     }
+    float_state = {k: v.clone() for k, v in ours.state_dict().items()}
     for name, kw in variants.items():
         if name in args.skip:
             continue
-        if name.startswith("int8") and not any(isinstance(m, Int8Linear) for m in ours.modules()):
-            quantize_int8(ours)  # int8 weights (per-channel scales), activations in --dtype
+        scheme = name.split("-")[0] if name.startswith("int") else None
+        if scheme is not None and getattr(ours, "quantized", None) != scheme:
+            if any(isinstance(m, QuantizedLinear) for m in ours.modules()):  # int8 before: start from float
+                ours = build_model(cfg).to(device=device, dtype=dtype).eval()
+                ours.load_state_dict(float_state)
+            quantize(ours, scheme)  # int8 / int4 weights, activations in --dtype
+            ours.quantized = scheme
             torch._dynamo.reset()
 
         def run(tokens: int = n, kw=kw) -> None:

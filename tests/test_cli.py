@@ -87,9 +87,11 @@ def test_generate_streams_stops_at_a_stop_string_and_runs_greedy_int8(lm_run, ca
     assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "def f", "--max-new-tokens", "40",
                  "--temperature", "0", "--stop", stop]) == 0
     assert capsys.readouterr().out == "def f" + full[: full.index(stop)] + "\n"
-    assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "def f", "--max-new-tokens", "10",
-                 "--temperature", "0", "--quantize", "int8", "--precision", "bf16"]) == 0
-    assert capsys.readouterr().out.startswith("def f")
+    for scheme in ("int8", "int4"):
+        assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "def f", "--max-new-tokens", "10",
+                     "--temperature", "0", "--quantize", scheme, "--precision", "bf16"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("def f") and len(out) > len("def f\n")
 
 
 def test_eval_prints_loss_and_perplexity(lm_run, capsys):

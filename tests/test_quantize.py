@@ -6,7 +6,7 @@ from torch import nn
 
 from blockformer import TransformerConfig, build_model
 from blockformer.generate import generate
-from blockformer.generate.quantize import Int8Linear, quantize_int8
+from blockformer.generate.quantize import KERNEL_MAX_ROWS, Int4Linear, Int8Linear, prepare_for_decoding, quantize_int8
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,3 +47,68 @@ def test_quantized_decoder_reads_int8_weights_and_keeps_every_clear_greedy_choic
     assert torch.equal(q_logits.argmax(-1)[clear], float_logits.argmax(-1)[clear])
     # And it decodes through the KV cache like any model.
     assert len(generate(model, [[5, 9, 2, 7]], 12, temperature=0)[0]) == 12
+
+
+def test_int4_linear_rounds_each_weight_within_half_a_step_of_its_group():
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 50)  # 50 outputs: the kernel's layout pads them to 64
+    q = Int4Linear(linear, group_size=64)
+    assert q.group_size == 64 and q.codes.dtype == torch.uint8 and q.codes.shape == (50, 128)
+    w = linear.weight.detach()
+    step = q.scales.repeat_interleave(64, dim=1)  # (50, 256): each weight's group scale
+    err = (q.dequantized(torch.float32) - w).abs()
+    assert (err <= step / 2 + 1e-6).all() and err.max() > 0
+    x = torch.randn(5, 256)  # 5 rows: the dense path, exactly x @ dequantized^T
+    torch.testing.assert_close(q(x), x @ q.dequantized(torch.float32).T + linear.bias, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layer", [Int8Linear, Int4Linear])
+def test_packed_kernel_and_dense_path_agree(layer):
+    # A decode step (<= KERNEL_MAX_ROWS rows in bf16) goes through PyTorch's packed kernel,
+    # a batch through the dequantized weight; both compute the same product.
+    torch.manual_seed(0)
+    q = layer(nn.Linear(128, 96).to(torch.bfloat16))
+    x = torch.randn(KERNEL_MAX_ROWS + 4, 128, dtype=torch.bfloat16)
+    batch = q(x).float()  # dense
+    rows = torch.cat([q(x[i : i + 2]) for i in range(0, len(x), 2)]).float()  # kernel, 2 rows at a time
+    exact = x.float() @ q.dequantized(torch.float32).T + q.bias.float()
+    for y in (batch, rows):
+        assert (y - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+def test_int4_group_size_falls_back_to_one_that_divides_the_row():
+    assert Int4Linear(nn.Linear(96, 16), group_size=128).group_size == 32
+    with pytest.raises(ValueError, match="in_features=48 is not a multiple of 32"):
+        Int4Linear(nn.Linear(48, 16))
+    with pytest.raises(ValueError, match="group_size=100: expected one of"):
+        Int4Linear(nn.Linear(128, 16), group_size=100)
+
+
+def test_int4_decoder_keeps_the_clear_greedy_choices_and_decodes_in_bf16():
+    cfg = TransformerConfig(arch="decoder", vocab_size=50, d_model=64, n_layers=2, n_heads=4, init_std=0.1)
+    model = build_model(cfg, seed=0).eval()
+    tokens = torch.randint(0, 50, (4, 32), generator=torch.Generator().manual_seed(0))
+    float_logits = model(tokens)
+    prompt = [[5, 9, 2, 7, 11]]
+    prepare_for_decoding(model, "bf16", "int4")
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 2 * 4 + 1
+    assert model.embed.tokens.weight.dtype == torch.bfloat16
+    q_logits = model(tokens).float()
+    error = (q_logits - float_logits).abs().max()
+    relative_rms = (q_logits - float_logits).pow(2).mean().sqrt() / float_logits.pow(2).mean().sqrt()
+    assert 0.05 < relative_rms < 0.3  # 0.22 here: 16 levels per group of 64 are coarser than int8
+    top2 = float_logits.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * error
+    assert torch.equal(q_logits.argmax(-1)[clear], float_logits.argmax(-1)[clear])
+    # Cached batch-1 decode steps take the packed kernel; recomputing the whole sequence
+    # (5+ rows a step) takes the dense path; both choose the same tokens.
+    assert generate(model, prompt, 12, temperature=0) == generate(model, prompt, 12, temperature=0, use_cache=False)
+
+
+def test_prepare_for_decoding_checks_its_arguments():
+    model = build_model(TransformerConfig(arch="decoder", vocab_size=50, d_model=64, n_layers=1, n_heads=4))
+    with pytest.raises(ValueError, match="precision='int8'"):
+        prepare_for_decoding(model, "int8")
+    with pytest.raises(ValueError, match="quantize scheme='int2'"):
+        prepare_for_decoding(model, "fp32", "int2")
+    assert prepare_for_decoding(model, "fp32") is model and model.head.weight.dtype == torch.float32

@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
-    from .translate import add_decoding_arguments  # noqa: PLC0415
+    from .translate import add_decoding_arguments, add_quantize_argument  # noqa: PLC0415
+
+    add_quantize_argument(parser)
     from ..generate.scoring import BLEU_TOKENIZERS  # noqa: PLC0415
 
     group = parser.add_argument_group("translation quality (encoder-decoders): sacreBLEU BLEU and chrF")
@@ -39,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses  # noqa: PLC0415
 
+    from ..generate.quantize import quantize  # noqa: PLC0415
     from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
     from ..train.precision import autocast, check_precision, resolve_device  # noqa: PLC0415
 
@@ -58,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     check_precision(args.precision, device)
     ckpt = load_checkpoint(args.checkpoint, device)
+    quantize(ckpt.model, args.quantize)
     cfg = ckpt.config
     train_cfg = dataclasses.replace(
         cfg.train,

@@ -3,7 +3,7 @@
 Sampling (temperature, top-k, top-p, a seed) or greedy (``--temperature 0``) through the KV
 cache; text is printed as it is generated, and stops at EOS, ``--max-new-tokens`` or a
 ``--stop`` string. ``--compile`` compiles the one-token decode step; ``--precision bf16``
-and ``--quantize int8`` make each step read fewer weight bytes (faster on a CPU).
+and ``--quantize int8``/``int4`` make each step read fewer weight bytes (faster on a CPU).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from ..errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .translate import add_quantize_argument  # noqa: PLC0415
+
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint or run directory")
     parser.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
     parser.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
@@ -28,17 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-samples", type=int, default=1, metavar="N")
     parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    parser.add_argument("--quantize", choices=["int8"], default=None, help="int8 weight-only matmuls")
     parser.add_argument("--compile", action="store_true", help="compile the one-token decode step")
+    add_quantize_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
-    from ..generate import TextStream, generate, quantize_int8  # noqa: PLC0415
+    from ..generate import TextStream, generate, prepare_for_decoding  # noqa: PLC0415
     from ..tokenizers import EOS_ID  # noqa: PLC0415
     from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
-    from ..train.precision import autocast, check_precision, resolve_device  # noqa: PLC0415
+    from ..train.precision import check_precision, resolve_device  # noqa: PLC0415
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: expected an integer >= 1")
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             f"--checkpoint {args.checkpoint}: an {ckpt.config.model.arch} model; generate expects a decoder "
             "(use `blockformer translate` for encoder-decoders)"
         )
-    model = quantize_int8(ckpt.model) if args.quantize == "int8" else ckpt.model
+    model = prepare_for_decoding(ckpt.model, args.precision, args.quantize)
     prompt_ids = ckpt.tokenizer.encode(args.prompt) or [EOS_ID]  # no prompt: a document starts after eos
 
     def write(row: int, text: str) -> None:
@@ -69,10 +71,9 @@ def run(args: argparse.Namespace) -> int:
         stream = TextStream(ckpt.tokenizer.decode, write, args.stop)
         sys.stdout.write(args.prompt)
         generator = torch.Generator(device=device).manual_seed(args.seed + i)
-        with autocast(args.precision, device):
-            generate(model, [prompt_ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                     top_p=args.top_p, min_new_tokens=args.min_new_tokens, eos_id=EOS_ID, generator=generator,
-                     on_token=stream.on_token, stop=stream.stop, compile=args.compile)
+        generate(model, [prompt_ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                 top_p=args.top_p, min_new_tokens=args.min_new_tokens, eos_id=EOS_ID, generator=generator,
+                 on_token=stream.on_token, stop=stream.stop, compile=args.compile)
         stream.finish()
         sys.stdout.write("\n")
         sys.stdout.flush()

@@ -37,6 +37,11 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, batch_default: int |
     parser.add_argument("--compile", action="store_true", help="torch.compile the one-token decode step")
 
 
+def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                        help="weight-only int8 or int4 (CPU) matmuls: faster decoding, slightly different outputs")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="an encoder-decoder checkpoint or run directory")
     parser.add_argument("--input", default="-", metavar="F", help="source sentences, one per line (.gz read directly; default stdin)")
@@ -46,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the N best hypotheses per source as 'index<TAB>score<TAB>text' lines")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    add_quantize_argument(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -136,10 +142,12 @@ def decoding_options(args: argparse.Namespace) -> dict[str, Any]:
             "max_len_b": args.max_len_b, "batch_size": args.batch_size, "compile": args.compile}
 
 
-def load_translator(checkpoint: str, device_name: str, precision: str) -> tuple[Any, Any]:
-    """The checkpoint (checked to be an encoder-decoder), and the autocast context to decode in."""
+def load_translator(checkpoint: str, device_name: str, precision: str, quantize: str | None = None) -> Any:
+    """The checkpoint, checked to be an encoder-decoder, its model stored in ``precision``
+    and quantized if asked (``prepare_for_decoding``)."""
+    from ..generate.quantize import prepare_for_decoding  # noqa: PLC0415
     from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
-    from ..train.precision import autocast, check_precision, resolve_device  # noqa: PLC0415
+    from ..train.precision import check_precision, resolve_device  # noqa: PLC0415
 
     device = resolve_device(device_name)
     check_precision(precision, device)
@@ -150,7 +158,8 @@ def load_translator(checkpoint: str, device_name: str, precision: str) -> tuple[
             f"--checkpoint {checkpoint}: a {arch} model; translation needs an encoder-decoder "
             "(trained on data.src/data.tgt or a data.task); use `blockformer generate` for decoders"
         )
-    return ckpt, autocast(precision, device)
+    prepare_for_decoding(ckpt.model, precision, quantize)
+    return ckpt
 
 
 # ---------------------------------------------------------------------- files and streams
@@ -173,13 +182,12 @@ def _format(index: int, hyps: Hyps, n_best: int) -> Iterable[str]:
 def run(args: argparse.Namespace) -> int:
     options = decoding_options(args)
     _check_decoding(args.beam, args.alpha, args.n_best, args.max_len_a, args.max_len_b, args.batch_size)
-    ckpt, precision = load_translator(args.checkpoint, args.device, args.precision)
+    ckpt = load_translator(args.checkpoint, args.device, args.precision, args.quantize)
     if args.input == "-" and sys.stdin.isatty():  # a person typing: answer each line as it comes
-        with precision:
-            for index, line in enumerate(sys.stdin):
-                [hyps] = translate_nbest(ckpt.model, ckpt.tokenizer, [line.rstrip("\r\n")], n_best=args.n_best,
-                                         **options)
-                print("\n".join(_format(index, hyps, args.n_best)), flush=True)
+        for index, line in enumerate(sys.stdin):
+            [hyps] = translate_nbest(ckpt.model, ckpt.tokenizer, [line.rstrip("\r\n")], n_best=args.n_best,
+                                     **options)
+            print("\n".join(_format(index, hyps, args.n_best)), flush=True)
         return 0
     texts = read_lines(args.input)
     to_file = args.output != "-"
@@ -188,9 +196,8 @@ def run(args: argparse.Namespace) -> int:
         from tqdm.auto import tqdm  # noqa: PLC0415
 
         bar = tqdm(total=len(texts), desc="translate", unit="sent", dynamic_ncols=True, file=sys.stderr)
-    with precision:
-        results = translate_nbest(ckpt.model, ckpt.tokenizer, texts, n_best=args.n_best,
-                                  progress=bar.update if bar is not None else None, **options)
+    results = translate_nbest(ckpt.model, ckpt.tokenizer, texts, n_best=args.n_best,
+                              progress=bar.update if bar is not None else None, **options)
     if bar is not None:
         bar.close()
     lines = [line for index, hyps in enumerate(results) for line in _format(index, hyps, args.n_best)]
@@ -218,10 +225,9 @@ def translation_metrics(args: argparse.Namespace) -> dict[str, Any]:
     options = decoding_options(args)
     options["batch_size"] = args.batch_size or 64
     _check_decoding(args.beam, args.alpha, 1, args.max_len_a, args.max_len_b, options["batch_size"])
-    ckpt, precision = load_translator(args.checkpoint, args.device, args.precision)
+    ckpt = load_translator(args.checkpoint, args.device, args.precision, args.quantize)
     t0 = time.perf_counter()
-    with precision:
-        hypotheses = translate_texts(ckpt.model, ckpt.tokenizer, sources, **options)
+    hypotheses = translate_texts(ckpt.model, ckpt.tokenizer, sources, **options)
     seconds = time.perf_counter() - t0
     if getattr(args, "hyp_output", None):
         Path(args.hyp_output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")

@@ -1,10 +1,19 @@
-"""Int8 weight-only quantization for decoding (as gpt-fast does).
+"""Weight-only quantization for decoding (as gpt-fast does): int8 and int4.
 
 At batch 1 a decode step is bound by reading every weight from memory once per token, so
-storing the matmul weights as int8 (one scale per output channel) reads 4x fewer bytes
-than fp32 and 2x fewer than bf16. Activations stay in floating point; only the weights are
-rounded, to ``round(w / s)`` with ``s = max|w_row| / 127``. This is for inference: the
-quantized model cannot be trained, and its logits differ slightly from the float model's.
+storing the matmul weights in fewer bits makes it faster. Activations stay in floating
+point; only the weights are rounded.
+
+- ``int8``: one scale per output channel, ``q = round(w / s)``, ``s = max|w_row| / 127``.
+  A decode step reads 4x fewer weight bytes than fp32, 2x fewer than bf16.
+- ``int4``: groups of ``group_size`` consecutive input weights share a scale and an offset
+  (asymmetric, 16 levels spanning the group's min..max). A decode step reads 8x fewer
+  weight bytes than fp32, at a larger rounding error.
+
+The packed kernels pay off with bf16 activations (``--precision bf16``): with fp32 ones
+PyTorch's CPU kernels are slower than the float model. This is for inference: a quantized
+model cannot be trained, and its outputs differ from the float model's (int4 more than
+int8; ``blockformer eval --quantize`` measures the cost).
 """
 
 from __future__ import annotations
@@ -14,39 +23,157 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class Int8Linear(nn.Module):
-    """``y = x W^T + b`` with ``W = scales[:, None] * int8_weight``."""
+KERNEL_MAX_ROWS = 4  # the packed CPU kernels beat a dense matmul only for a few rows
+
+
+class QuantizedLinear(nn.Module):
+    """What the int8 and int4 layers share: ``y = x W^T + b`` computed in the activation's
+    dtype (the autocast dtype under autocast). A decode step at small batch (at most
+    ``KERNEL_MAX_ROWS`` rows, bf16/fp16, on the CPU) uses PyTorch's packed low-bit kernel,
+    which reads only the quantized bytes; anything larger (a prompt, a beam of sentences,
+    evaluation) is faster as the dequantized weight in one dense matmul."""
+
+    in_features: int
+    out_features: int
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(dtype)
+        # Inductor cannot hand a freshly cast input to the packed kernels (torch 2.13), so under
+        # torch.compile with autocast the dense path runs: store the model in bf16 instead.
+        cast_in_graph = torch.compiler.is_compiling() and torch.is_autocast_enabled(device)
+        if device == "cpu" and dtype != torch.float32 and x2.shape[0] <= KERNEL_MAX_ROWS and not cast_in_graph:
+            y = self.kernel(x2)
+        else:
+            y = F.linear(x2, self.dequantized(dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The (out_features, in_features) weight this layer stands for."""
+        raise NotImplementedError
+
+
+class Int8Linear(QuantizedLinear):
+    """``W = scales[:, None] * int8_weight``, one scale per output channel."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
         w = linear.weight.detach().float()
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         self.register_buffer("weight", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scales.to(linear.weight.dtype))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x.device.type == "cpu":  # a fused int8-weight GEMM (PyTorch's CPU kernel)
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales.to(x.dtype))
-        else:  # elsewhere: dequantize in the matmul's dtype; torch.compile fuses it
-            y = F.linear(x2, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.to(dtype) * self.scales.to(dtype)[:, None]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
+class Int4Linear(QuantizedLinear):
+    """4-bit weights: within each group of ``group_size`` inputs, ``W = (q - 8) * scale +
+    zero`` for ``q`` in 0..15. A row that ``group_size`` does not divide gets the largest
+    smaller group size that does. The codes are kept twice: two per byte for the dense
+    path, and (on the CPU) in the layout of PyTorch's int4 kernel for decode steps."""
+
+    GROUP_SIZES = (32, 64, 128, 256)  # what the kernel accepts
+
+    def __init__(self, linear: nn.Linear, group_size: int = 128) -> None:
+        super().__init__(linear)
+        k, n = linear.in_features, linear.out_features
+        if group_size not in self.GROUP_SIZES:
+            raise ValueError(f"int4 group_size={group_size}: expected one of {self.GROUP_SIZES}")
+        fits = [g for g in self.GROUP_SIZES if g <= group_size and k % g == 0]
+        if not fits:
+            raise ValueError(f"int4: in_features={k} is not a multiple of 32; int4 groups need one")
+        self.group_size = g = fits[-1]  # the largest group, up to the one asked for, that divides the row
+        groups = linear.weight.detach().float().reshape(n, k // g, g)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        zero = low + 8 * scale  # the weight that q = 8 stands for
+        q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+        dtype = linear.weight.dtype
+        self.register_buffer("codes", q[:, 0::2] | (q[:, 1::2] << 4))  # (n, k / 2)
+        self.register_buffer("scales", scale.to(dtype))  # (n, k / g)
+        self.register_buffer("zeros", zero.to(dtype))
+        if linear.weight.device.type == "cpu":  # the kernel takes output channels in multiples of 16
+            pad = -n % 16
+            padded = torch.cat([q.to(torch.int32), q.new_zeros(pad, k, dtype=torch.int32)])
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded, 1))
+            both = torch.stack([scale, zero], -1)
+            both = torch.cat([both, both.new_zeros(pad, k // g, 2)]).transpose(0, 1).contiguous()
+            self.register_buffer("scales_and_zeros", both.to(dtype))  # (k / g, n + pad, 2)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "packed"):  # quantized off the CPU: no kernel layout to use
+            return F.linear(x, self.dequantized(x.dtype))
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
+                                                        self.scales_and_zeros.to(x.dtype))
+        return y[:, : self.out_features]
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        n, k, g = self.out_features, self.in_features, self.group_size
+        q = torch.stack([self.codes & 15, self.codes >> 4], -1).reshape(n, k // g, g).to(dtype)
+        return ((q - 8) * self.scales.to(dtype)[..., None] + self.zeros.to(dtype)[..., None]).reshape(n, k)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4, group_size={self.group_size}"
+
+
+SCHEMES = ("int8", "int4")
+
+
+def quantize(model: nn.Module, scheme: str | None, group_size: int = 128) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (attention, FFN, output head) in place by an
-    ``Int8Linear``; embeddings and norms keep their dtype. A head tied to the embedding gets
-    its own int8 copy. Returns ``model``, in eval mode."""
+    ``Int8Linear`` or ``Int4Linear`` (``scheme=None``: leave the model as it is).
+    Embeddings and norms keep their dtype; a head tied to the embedding gets its own
+    quantized copy. Quantize after moving the model to its device. Returns ``model``, in
+    eval mode."""
+    if scheme is None:
+        return model
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantize scheme={scheme!r}: expected one of {SCHEMES}")
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, Int8Linear(child))
+                q = Int8Linear(child) if scheme == "int8" else Int4Linear(child, group_size)
+                setattr(module, name, q)
     return model.eval()
+
+
+def prepare_for_decoding(model: nn.Module, precision: str = "fp32", scheme: str | None = None) -> nn.Module:
+    """``model`` as decoding wants it, in place: its weights stored in the decoding dtype
+    (``bf16``/``fp16`` halve the bytes each step reads; autocast would instead re-cast every
+    weight on every step), then quantized with ``scheme`` if given."""
+    from ..train.precision import DTYPES  # noqa: PLC0415
+
+    if precision not in DTYPES:
+        raise ValueError(f"precision={precision!r}: expected one of {tuple(DTYPES)}")
+    if DTYPES[precision] != torch.float32:
+        model.to(DTYPES[precision])
+    return quantize(model, scheme)
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """``quantize(model, "int8")``."""
+    return quantize(model, "int8")
+
+
+def quantize_int4(model: nn.Module, group_size: int = 128) -> nn.Module:
+    """``quantize(model, "int4", group_size)``."""
+    return quantize(model, "int4", group_size)

@@ -29,7 +29,7 @@ KERNEL_MAX_ROWS = 4  # the packed CPU kernels beat a dense matmul only for a few
 class QuantizedLinear(nn.Module):
     """What the int8 and int4 layers share: ``y = x W^T + b`` computed in the activation's
     dtype (the autocast dtype under autocast). A decode step at small batch (at most
-    ``KERNEL_MAX_ROWS`` rows, bf16/fp16, on the CPU) uses PyTorch's packed low-bit kernel,
+    ``KERNEL_MAX_ROWS`` rows, on the CPU) uses PyTorch's packed low-bit kernel,
     which reads only the quantized bytes; anything larger (a prompt, a beam of sentences,
     evaluation) is faster as the dequantized weight in one dense matmul."""
 
@@ -49,7 +49,7 @@ class QuantizedLinear(nn.Module):
         # Inductor cannot hand a freshly cast input to the packed kernels (torch 2.13), so under
         # torch.compile with autocast the dense path runs: store the model in bf16 instead.
         cast_in_graph = torch.compiler.is_compiling() and torch.is_autocast_enabled(device)
-        if device == "cpu" and dtype != torch.float32 and x2.shape[0] <= KERNEL_MAX_ROWS and not cast_in_graph:
+        if device == "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS and not cast_in_graph:
             y = self.kernel(x2)
         else:
             y = F.linear(x2, self.dequantized(dtype))

@@ -27,6 +27,7 @@ the compiled step replayed as a CUDA graph is expected to be several times faste
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 from pathlib import Path
 
@@ -34,9 +35,10 @@ import torch
 
 from blockformer import TransformerConfig, build_model
 from blockformer.generate import generate
-from blockformer.generate.quantize import QuantizedLinear, quantize
+from blockformer.generate.quantize import Int4Linear, Int8Linear, quantize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear}
 
 
 def parse_args() -> argparse.Namespace:
@@ -97,17 +99,13 @@ def main() -> None:
         "int4-cache": dict(use_cache=True),
         "int4-compiled": dict(use_cache=True, compile=True),
     }
-    float_state = {k: v.clone() for k, v in ours.state_dict().items()}
+    float_model = ours
     for name, kw in variants.items():
         if name in args.skip:
             continue
         scheme = name.split("-")[0] if name.startswith("int") else None
-        if scheme is not None and getattr(ours, "quantized", None) != scheme:
-            if any(isinstance(m, QuantizedLinear) for m in ours.modules()):  # int8 before: start from float
-                ours = build_model(cfg).to(device=device, dtype=dtype).eval()
-                ours.load_state_dict(float_state)
-            quantize(ours, scheme)  # int8 / int4 weights, activations in --dtype
-            ours.quantized = scheme
+        if scheme is not None and not any(isinstance(m, QUANTIZED[scheme]) for m in ours.modules()):
+            ours = quantize(copy.deepcopy(float_model), scheme)  # int8 / int4 weights, activations in --dtype
             torch._dynamo.reset()
 
         def run(tokens: int = n, kw=kw) -> None:
@@ -116,7 +114,7 @@ def main() -> None:
 
         run(n if "compiled" in name else min(n, 8))  # warm-up (the compiled step's shapes depend on n)
         results[f"blockformer {name}"] = n / timed(run, device, args.repeats)
-    del ours
+    del ours, float_model
 
     if "hf" not in args.skip:
         from transformers import GPT2Config, GPT2LMHeadModel

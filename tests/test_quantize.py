@@ -6,7 +6,7 @@ from torch import nn
 
 from blockformer import TransformerConfig, build_model
 from blockformer.generate import generate
-from blockformer.generate.quantize import KERNEL_MAX_ROWS, Int4Linear, Int8Linear, prepare_for_decoding, quantize_int8
+from blockformer.generate.quantize import KERNEL_MAX_ROWS, Int4Linear, Int8Linear, prepare_for_decoding, quantize
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -30,7 +30,7 @@ def test_quantized_decoder_reads_int8_weights_and_keeps_every_clear_greedy_choic
     model = build_model(cfg, seed=0).eval()
     tokens = torch.randint(0, 50, (4, 32), generator=torch.Generator().manual_seed(0))
     float_logits = model(tokens)
-    quantize_int8(model)
+    quantize(model, "int8")
     linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert len(linears) == 2 * 4 + 1  # qkv, out, up, down per block, and the head
     assert not any(isinstance(m, nn.Linear) for m in model.modules())

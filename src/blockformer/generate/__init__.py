@@ -4,7 +4,7 @@ search; streaming text. All decoding runs on the model's preallocated KV cache."
 from .batching import pad_batch, positions_from_mask
 from .beam import Hypothesis, beam_search, length_penalty
 from .decoder import generate
-from .quantize import Int4Linear, Int8Linear, prepare_for_decoding, quantize, quantize_int4, quantize_int8
+from .quantize import Int4Linear, Int8Linear, prepare_for_decoding, quantize
 from .sampling import Sampling, choose, process_logits, sample, top_k_filter, top_p_filter
 from .seq2seq import greedy_decode, target_limits
 from .stream import TextStream
@@ -17,8 +17,6 @@ __all__ = [
     "translate",
     "quantize",
     "prepare_for_decoding",
-    "quantize_int8",
-    "quantize_int4",
     "Int8Linear",
     "Int4Linear",
     "Hypothesis",

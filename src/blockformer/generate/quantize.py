@@ -167,13 +167,3 @@ def prepare_for_decoding(model: nn.Module, precision: str = "fp32", scheme: str 
     if DTYPES[precision] != torch.float32:
         model.to(DTYPES[precision])
     return quantize(model, scheme)
-
-
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """``quantize(model, "int8")``."""
-    return quantize(model, "int8")
-
-
-def quantize_int4(model: nn.Module, group_size: int = 128) -> nn.Module:
-    """``quantize(model, "int4", group_size)``."""
-    return quantize(model, "int4", group_size)

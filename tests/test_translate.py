@@ -194,7 +194,7 @@ def test_translate_small_preset_trains_a_shared_vocabulary_translator(tmp_path):
     cfg = load_run_config(preset="translate-small")
     m, d, t = cfg.model, cfg.data, cfg.train
     assert (m.arch, m.tie_embeddings, m.src_vocab_size, m.scale_embeddings) == ("encoder-decoder", True, None, True)
-    assert (d.tokenizer, t.label_smoothing, t.schedule, t.beta2, t.precision) == ("bpe", 0.1, "noam", 0.98, "bf16")
+    assert (d.tokenizer, t.label_smoothing, t.schedule, t.beta2, t.precision) == ("bpe", 0.1, "noam", 0.98, "auto")
     assert t.keep_last >= 5 and t.max_tokens > 0
     de = ["ein Hund läuft", "eine Frau singt", "zwei Männer lachen", "ein Kind spielt"] * 5
     en = ["a dog runs", "a woman sings", "two men laugh", "a child plays"] * 5

@@ -24,7 +24,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 Schedule = Literal["noam", "cosine", "constant"]
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
 Device = Literal["auto", "cpu", "cuda"]
 
 
@@ -90,7 +90,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; 0 = off
     label_smoothing: float = 0.0
-    precision: Precision = "fp32"
+    precision: Precision = "fp32"  # auto: bf16 where the device has bf16 units, else fp32
     device: Device = "auto"
     compile: bool = False
     seed: int = 0

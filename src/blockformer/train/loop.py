@@ -9,6 +9,7 @@ evaluates, saves a checkpoint and keeps the last k and the best. SIGINT/SIGTERM,
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import signal
 import threading
@@ -33,7 +34,7 @@ from .checkpoint import (
 )
 from .metrics import MetricsLog, perplexity, plot_losses
 from .optim import build_optimizer
-from .precision import autocast, check_precision, grad_scaler, resolve_device
+from .precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
 from .schedule import build_scheduler
 from .setup import Objective, build_run
 
@@ -63,6 +64,8 @@ def train(
     run_dir = Path(run_dir)
     tc = cfg.train
     device = resolve_device(tc.device)
+    requested = tc.precision
+    tc = dataclasses.replace(tc, precision=resolve_precision(requested, device))  # cfg keeps "auto"
     check_precision(tc.precision, device)
     state = None
     if resume is not None:
@@ -93,7 +96,7 @@ def train(
     fwd_model = torch.compile(model) if tc.compile else model
     log(
         f"training {cfg.model.arch} ({count_parameters(model) / 1e6:.2f}M parameters) on {device} "
-        f"in {tc.precision}, {tc.steps} steps -> {run_dir}"
+        f"in {describe_precision(requested, tc.precision, device)}, {tc.steps} steps -> {run_dir}"
     )
 
     def save(val: dict[str, float] | None) -> Path:

@@ -3,12 +3,17 @@
 ``bf16`` runs the matmuls in bfloat16 under ``torch.autocast`` (weights and optimizer state
 stay float32), on CUDA and on CPUs with bf16 units (AMX/AVX512-BF16). ``fp16`` has too
 little range for unscaled gradients, so it needs a loss scaler (Micikevicius et al. 2018);
-it is offered on CUDA only.
+it is offered on CUDA only. ``auto`` picks bf16 where the device runs it natively (CUDA
+with bf16; CPUs with AMX or AVX512-BF16) and fp32 elsewhere: on a CPU without bf16 units,
+bf16 matmuls are emulated and run many times slower than fp32.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import time
+import warnings
 
 import torch
 
@@ -24,6 +29,72 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError("train.device='cuda': no CUDA device is available; expected 'auto' or 'cpu'")
     return torch.device(name)
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` has bfloat16 units: CUDA with bf16, or a CPU with AMX or AVX512-BF16."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return _cpu_has("_is_amx_tile_supported") or _cpu_has("_is_avx512_bf16_supported")
+    return False
+
+
+def _cpu_has(probe: str) -> bool:
+    fn = getattr(torch.cpu, probe, None)  # private probes: absent in some torch builds
+    return bool(fn()) if fn is not None else False
+
+
+def cpu_features() -> str:
+    """What this CPU offers, for logs and benchmark tables: e.g. ``AVX512, AVX512-BF16``."""
+    names = [torch.backends.cpu.get_cpu_capability()]
+    names += [n for n, p in (("AVX512-BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported")) if _cpu_has(p)]
+    return ", ".join(names)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """The precision to run: ``auto`` resolved for ``device``; an explicit ``bf16`` on a CPU
+    without bf16 units is kept but warned about (once), with the measured slowdown."""
+    if precision == "auto":
+        return "bf16" if native_bf16(device) else "fp32"
+    if precision == "bf16" and device.type == "cpu" and not native_bf16(device):
+        _warn_emulated_bf16()
+    return precision
+
+
+def describe_precision(requested: str, resolved: str, device: torch.device) -> str:
+    """``bf16 (auto: native bf16 on this CPU: AVX512, AVX512-BF16)``, for the start-of-run line."""
+    if requested != "auto":
+        return resolved
+    where = f"this CPU: {cpu_features()}" if device.type == "cpu" else f"this {device.type} device"
+    native = "native bf16" if resolved == "bf16" else "no native bf16"
+    return f"{resolved} (auto: {native} on {where})"
+
+
+@functools.cache
+def _warn_emulated_bf16() -> None:
+    ratio = _bf16_slowdown()
+    warnings.warn(
+        f"precision 'bf16' on a CPU without bf16 units ({cpu_features()}): bf16 matmuls are "
+        f"emulated here, measured {ratio:.1f}x the time of fp32 on a 256x256 matmul; "
+        "'auto' or 'fp32' is faster on this machine",
+        stacklevel=3,
+    )
+
+
+def _bf16_slowdown(n: int = 256, repeats: int = 10) -> float:
+    """Time of a bf16 matmul over an fp32 one on this CPU (best of ``repeats``)."""
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(n, n).to(dtype)
+        a @ a  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            a @ a
+            best = min(best, time.perf_counter() - t)
+        times[dtype] = best
+    return times[torch.bfloat16] / max(times[torch.float32], 1e-9)
 
 
 def check_precision(precision: str, device: torch.device) -> None:

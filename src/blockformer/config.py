@@ -225,10 +225,42 @@ def _read_if_path(text_or_path: str | Path) -> str:
     return str(text_or_path)
 
 
+# Names other libraries use for our fields: a typo of one of them still finds ours.
+ALIASES = {"learning_rate": "lr", "hidden_size": "d_model", "dim": "d_model", "num_layers": "n_layers",
+           "n_layer": "n_layers", "num_heads": "n_heads", "n_head": "n_heads", "max_steps": "steps",
+           "warmup_steps": "warmup", "intermediate_size": "d_ff", "ffn_dim": "d_ff", "block_size": "max_seq_len",
+           "max_position_embeddings": "max_seq_len", "context_length": "seq_len", "clip": "grad_clip",
+           "max_grad_norm": "grad_clip", "dtype": "precision", "epochs": "steps"}
+
+
 def suggest(name: str, choices: list[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest valid name, or an empty string."""
-    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    """`` (did you mean 'x'?)`` for the closest valid name, or an empty string.
+
+    Spelling alone misses abbreviations (``lerning_rate`` is far from ``lr``), so a name is
+    also matched through the common names of ``ALIASES``, by its initials and by shared words.
+    """
+    best = _closest(name, choices)
+    return f" (did you mean {best!r}?)" if best else ""
+
+
+def _closest(name: str, choices: list[str]) -> str | None:
+    lowered = name.lower()
+    close = difflib.get_close_matches(lowered, choices, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    aliases = {a: t for a, t in ALIASES.items() if t in choices}
+    close = difflib.get_close_matches(lowered, list(aliases), n=1, cutoff=0.75)
+    if close:
+        return aliases[close[0]]
+    words = [w for w in lowered.replace("-", "_").split("_") if w]
+    if len(words) > 1 and "".join(w[0] for w in words) in choices:  # lerning_rate -> lr
+        return "".join(w[0] for w in words)
+    shared = [(len(set(words) & set(c.split("_"))), c) for c in choices]
+    shared = [(n, c) for n, c in shared if n and any(len(w) > 2 for w in set(words) & set(c.split("_")))]
+    if shared:
+        return max(shared, key=lambda nc: (nc[0], difflib.SequenceMatcher(None, lowered, nc[1]).ratio()))[1]
+    close = difflib.get_close_matches(lowered, choices, n=1, cutoff=0.5)
+    return close[0] if close else None
 
 
 def checked_kwargs(cls: type, data: dict[str, Any]) -> dict[str, Any]:
@@ -238,6 +270,9 @@ def checked_kwargs(cls: type, data: dict[str, Any]) -> dict[str, Any]:
         if key not in names:
             raise ValueError(f"{cls.__name__}: unknown field {key!r}{suggest(key, names)}")
     return dict(data)
+
+
+MAX_INT = 2**53  # larger integers are typos (and overflow torch's int64 or float arithmetic)
 
 
 def _check_types(obj: Any) -> None:
@@ -251,6 +286,12 @@ def _check_types(obj: Any) -> None:
             raise ValueError(
                 f"{type(obj).__name__}.{f.name}={value!r}: expected {_describe(hint)}"
             )
+        # NaN and infinity pass every comparison check silently (nan > 0 is False, so
+        # "<= 0" does not catch it) and surface much later as NaN losses: refuse them here.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{type(obj).__name__}.{f.name}={value!r}: expected a finite number")
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            raise ValueError(f"{type(obj).__name__}.{f.name}={value}: expected an integer below 2**53")
 
 
 def _is_union(hint: Any) -> bool:

@@ -26,6 +26,7 @@ else:  # pragma: no cover - Python 3.10
 Schedule = Literal["noam", "cosine", "constant"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 Device = Literal["auto", "cpu", "cuda"]
+NonFinite = Literal["stop", "skip"]
 
 
 @dataclass
@@ -103,6 +104,8 @@ class TrainConfig:
     samples: int = 3  # language modelling: texts sampled at the end of `blockformer train`
     sample_tokens: int = 200
     sample_prompts: list[str] = field(default_factory=lambda: [""])  # cycled over the samples
+    # --- reliability (issue 9)
+    nonfinite: NonFinite = "stop"  # a NaN/inf loss: "stop" the run (exit 3) or "skip" that step's update
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -185,7 +188,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{path}: config file not found")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not UTF-8 text (byte {e.start}); expected a TOML file saved as UTF-8") from None
     if not text.strip():
         raise UsageError(f"{path}: config file is empty; expected [model], [data] and [train] tables")
     try:

@@ -1,8 +1,9 @@
 """The ``blockformer`` command: one module per subcommand, imported only when used.
 
 Each subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int``. Errors a
-user can fix (``UsageError``, or a ``ValueError`` from config validation) become one line on
-stderr and exit code 2; nothing a user did wrong ends in a traceback.
+user can fix (``UsageError``, a ``ValueError`` from config validation, an ``OSError`` such
+as a full disk or a read-only directory) become one line on stderr and exit code 2;
+nothing a user did wrong ends in a traceback. ``EXIT_CODES`` lists every exit status.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
+from ..config import suggest
 from ..errors import UsageError
 
 # name -> (module, one-line help). Keep in the order a user meets them.
@@ -28,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def _top_parser() -> argparse.ArgumentParser:
     lines = "\n".join(f"  {name:<10} {text}" for name, (_, text) in COMMANDS.items())
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="blockformer",
         description="The Transformer's standard block, stacked: train, generate, translate, probe.",
         epilog=f"commands:\n{lines}\n\nRun `blockformer COMMAND --help` for a command's options.",
@@ -45,23 +48,90 @@ def _version() -> str:
     return f"blockformer {__version__}"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (the usage block is behind ``--help``)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def add_subparsers(self, **kwargs):  # subcommands (probe NAME) report errors the same way
+        kwargs.setdefault("parser_class", _Parser)
+        return super().add_subparsers(**kwargs)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; return its exit code (see EXIT_CODES)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
-        _top_parser().parse_args(argv[:1] or ["--help"])  # prints help or a usage error
+        parser = _top_parser()
+        if argv and not argv[0].startswith("-"):
+            hint = suggest(argv[0], list(COMMANDS))
+            print(f"blockformer: error: unknown command {argv[0]!r}{hint}; expected one of "
+                  + ", ".join(COMMANDS), file=sys.stderr)
+            return 2
+        try:
+            parser.parse_args(argv[:1] or ["--help"])  # prints help, the version or a usage error
+        except SystemExit as e:
+            return int(e.code or 0)
         return 2
     name = argv[0]
     module = importlib.import_module(f".{COMMANDS[name][0]}", __name__)
-    parser = argparse.ArgumentParser(prog=f"blockformer {name}", description=COMMANDS[name][1])
+    parser = _Parser(prog=f"blockformer {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)
-    args = parser.parse_args(argv[1:])
+    try:
+        args = parser.parse_args(argv[1:])
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed
+        return int(e.code or 0)
+    warnings.showwarning = _one_line_warning(name)
     try:
         return int(module.run(args) or 0)
-    except (UsageError, ValueError, FileNotFoundError) as e:
+    except (UsageError, ValueError, FileNotFoundError, OSError, MemoryError, OverflowError) as e:
         if os.environ.get("BLOCKFORMER_DEBUG"):
             raise
-        print(f"blockformer {name}: error: {e}", file=sys.stderr)
+        print(f"blockformer {name}: error: {describe_error(e)}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+    except RuntimeError as e:  # the allocators' out-of-memory errors; anything else is a bug
+        if os.environ.get("BLOCKFORMER_DEBUG") or not _out_of_memory(e):
+            raise
+        print(f"blockformer {name}: error: out of memory ({describe_error(e)}); expected smaller sizes",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"blockformer {name}: interrupted", file=sys.stderr)
         return 130
+
+
+def _out_of_memory(e: RuntimeError) -> bool:
+    text = str(e).lower()
+    return type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text or "out of memory" in text
+
+
+# What a script can read from the exit status (README, "Safety").
+EXIT_CODES = {
+    0: "finished (or stopped by train.max_minutes, with a checkpoint saved)",
+    1: "a bug: an unexpected error with a traceback (please report it)",
+    2: "bad input or a file-system error: one line on stderr names the value or path",
+    3: "training stopped: the loss became NaN or infinite (train.nonfinite=stop)",
+    130: "stopped by SIGINT (Ctrl-C); a training run saved a checkpoint first",
+    143: "stopped by SIGTERM; a training run saved a checkpoint first",
+}
+
+
+def describe_error(e: BaseException) -> str:
+    """One line: an OS error as its path and the OS's reason, anything else as its message."""
+    if isinstance(e, OSError) and not isinstance(e, UsageError) and e.strerror:
+        if not e.filename:
+            return e.strerror
+        also = f" -> {e.filename2}" if e.filename2 else ""
+        return f"{e.filename}{also}: {e.strerror}"
+    if isinstance(e, MemoryError):
+        return f"out of memory{': ' + str(e) if str(e) else ''}; expected smaller sizes"
+    text = str(e).strip() or type(e).__name__
+    return " ".join(text.split("\n")[0].split()) if "\n" in text else text
+
+
+def _one_line_warning(name: str):
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"blockformer {name}: warning: {message}", file=sys.stderr)
+
+    return show

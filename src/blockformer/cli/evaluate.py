@@ -19,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint or run directory")
     parser.add_argument("--data", metavar="SPEC",
                         help="language models: text to score (files, directories, globs, 'stdlib'; all of it "
-                             "is scored). Default: the checkpoint's validation split")
+                             "is scored); aligned pairs: SRC,TGT files (all held out). Default: the "
+                             "validation split of 'stdlib' or of a synthetic task; a checkpoint never "
+                             "chooses which local files are read")
     parser.add_argument("--batches", type=int, default=50, metavar="N", help="at most N batches (0 = all)")
     parser.add_argument("--batch-size", type=int, default=None, metavar="B", help="default: the run's")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -73,9 +75,7 @@ def run(args: argparse.Namespace) -> int:
         if cfg.data.kind == "text":
             metrics = lm_metrics(ckpt, args.data, train_cfg, device)
         else:
-            if args.data:
-                raise UsageError("--data: scores text for language models, not an encoder-decoder")
-            metrics = seq2seq_metrics(ckpt, train_cfg, device)
+            metrics = seq2seq_metrics(ckpt, train_cfg, device, args.data)
     from ..train.metrics import perplexity  # noqa: PLC0415
 
     metrics["val_ppl"] = perplexity(metrics["val_loss"])
@@ -95,8 +95,13 @@ def lm_metrics(ckpt: Any, spec: str | None, train_cfg: Any, device: Any) -> dict
     from ..train.setup import default_cache_dir, text_spec  # noqa: PLC0415
 
     data = ckpt.config.data
-    cache = data.cache_dir or default_cache_dir()
+    cache = default_cache_dir()  # never the checkpoint's data.cache_dir: a checkpoint is data, not instructions
     if spec is None:
+        if data.text.strip() != "stdlib":
+            raise UsageError(
+                f"--data: missing; this checkpoint was trained on data.text={data.text!r}, which eval does "
+                f"not read on the checkpoint's word; pass the text to score, e.g. --data {data.text}"
+            )
         tokens = TokenFile(build_token_file(text_spec(data), ckpt.tokenizer, cache, max_bytes=data.max_bytes))
         val = LMDataset(tokens, data.seq_len, "val", data.val_fraction)
     else:
@@ -107,10 +112,25 @@ def lm_metrics(ckpt: Any, spec: str | None, train_cfg: Any, device: Any) -> dict
     return {"tokens": len(val), **objective.evaluate(ckpt.model, train_cfg)}
 
 
-def seq2seq_metrics(ckpt: Any, train_cfg: Any, device: Any) -> dict[str, Any]:
-    """Held-out loss (and exact match for a synthetic task) as the trainer computes them."""
+def seq2seq_metrics(ckpt: Any, train_cfg: Any, device: Any, spec: str | None = None) -> dict[str, Any]:
+    """Held-out loss (and exact match for a synthetic task) as the trainer computes them;
+    for aligned pairs, on the files ``spec`` = ``SRC,TGT`` (all of them)."""
+    import dataclasses  # noqa: PLC0415
+
     from ..train.setup import build_objective  # noqa: PLC0415
 
-    objective = build_objective(ckpt.config, ckpt.tokenizer, device, log=lambda *a: None)
+    cfg = ckpt.config
+    if cfg.data.kind == "task":
+        if spec:
+            raise UsageError("--data: a synthetic-task checkpoint generates its own held-out data; expected no --data")
+    else:
+        files = [s.strip() for s in (spec or "").split(",") if s.strip()]
+        if len(files) != 2:
+            named = f"{cfg.data.val_src or cfg.data.src},{cfg.data.val_tgt or cfg.data.tgt}"
+            raise UsageError(f"--data {spec or ''}: expected SRC,TGT, the aligned files to score (this checkpoint "
+                             f"was trained on {named}; eval does not read them on the checkpoint's word)")
+        data = dataclasses.replace(cfg.data, src=files[0], tgt=files[1], val_src=files[0], val_tgt=files[1])
+        cfg = dataclasses.replace(cfg, data=data)
+    objective = build_objective(cfg, ckpt.tokenizer, device, log=lambda *a: None)
     return objective.evaluate(ckpt.model, train_cfg)
 

@@ -64,6 +64,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             _add_option(p, param)
 
 
+# Probe options that count things: they must be at least this (the rest: >= 0).
+AT_LEAST_ONE = {"seq_len", "batch_size", "depth", "train_depth", "d_model", "n_symbols", "rnn_batch_size",
+                "n_heads", "n_layers", "repeats"}
+MAX_SIZE = 2**16  # sizes beyond this are typos; they would only fail in the allocator
+
+
+def check_probe_options(options: dict) -> None:
+    """One-line errors for probe options a probe cannot run with (sizes, counts, device)."""
+    import math  # noqa: PLC0415
+
+    from ..errors import UsageError  # noqa: PLC0415
+
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            low = 1 if name in AT_LEAST_ONE else 0
+            if not low <= value <= MAX_SIZE and name != "seed":
+                raise UsageError(f"{flag} {value}: expected an integer in [{low}, {MAX_SIZE}]")
+            if name == "seed" and not 0 <= value < 2**63:
+                raise UsageError(f"{flag} {value}: expected an integer in [0, 2**63)")
+        elif isinstance(value, float):
+            low_ok = value > 0 if name in ("lr", "init_std") else value >= 0
+            if not math.isfinite(value) or not low_ok:
+                raise UsageError(f"{flag} {value}: expected a finite float {'> 0' if name in ('lr', 'init_std') else '>= 0'}")
+        elif name == "device":
+            from ..train.precision import resolve_device  # noqa: PLC0415
+
+            if value not in ("cpu", "cuda", "auto"):
+                raise UsageError(f"--device {value}: expected cpu or cuda")
+            if value == "cuda":
+                import torch  # noqa: PLC0415
+
+                if not torch.cuda.is_available():
+                    raise UsageError("--device cuda: no CUDA device is available; expected cpu")
+        elif isinstance(value, str) and ("," in value or name.endswith("s")) and name in LIST_INTS:
+            try:
+                numbers = [int(v) for v in value.split(",") if v.strip()]
+            except ValueError:
+                raise UsageError(f"{flag} {value}: expected comma-separated integers, e.g. 8,16,32") from None
+            if not numbers or not all(1 <= n <= MAX_SIZE for n in numbers):
+                raise UsageError(f"{flag} {value}: expected comma-separated integers in [1, {MAX_SIZE}]")
+
+
+LIST_INTS = {"depths", "seq_lens", "rnn_seq_lens"}
+
+
 def _add_option(parser: argparse.ArgumentParser, param: inspect.Parameter) -> None:
     flag = "--" + param.name.replace("_", "-")
     default = param.default
@@ -81,11 +129,20 @@ def _add_option(parser: argparse.ArgumentParser, param: inspect.Parameter) -> No
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..paths import check_output_file  # noqa: PLC0415
+
     module = probe_module(args.probe)
     names = inspect.signature(module.run).parameters
-    result = module.run(**{k: getattr(args, k) for k in names})
-    print(result.to_json() if args.json else result.table())
+    options = {k: getattr(args, k) for k in names}
+    check_probe_options(options)
+    plot = None
     if args.plot:
-        path = result.save_plot(Path(args.plot))
+        plot = Path(args.plot)
+        plot = plot if plot.suffix else plot.with_suffix(".png")  # what matplotlib writes for a bare name
+        check_output_file(plot, "--plot")  # before the experiment runs
+    result = module.run(**options)
+    print(result.to_json() if args.json else result.table())
+    if plot is not None:
+        path = result.save_plot(plot)
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume", metavar="DIR", help="continue from a checkpoint, or from a run directory's latest one"
     )
     parser.add_argument("--out", metavar="DIR", help="run directory (default: runs/<train.name>)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="a fresh run into a directory holding an earlier run: replace that run "
+                             "(without this, such a run is refused)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config (TOML), exit")
 
 
@@ -57,9 +60,11 @@ def run(args: argparse.Namespace) -> int:
         run_dir = resolve_checkpoint(args.resume, prefer="latest").parent
     else:
         run_dir = Path("runs") / cfg.train.name
-    result = train(cfg, run_dir, resume=args.resume)
+    if args.overwrite and args.resume:
+        raise UsageError("--overwrite: replaces an earlier run for a fresh one; not with --resume")
+    result = train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite)
     report(result, cfg)
-    return 0
+    return 128 + result.signal if result.signal else 0  # 130 after SIGINT, 143 after SIGTERM
 
 
 def report(result, cfg: RunConfig) -> None:
@@ -78,7 +83,11 @@ def report(result, cfg: RunConfig) -> None:
     ckpt = load_checkpoint(ckpt_dir)
     if cfg.model.arch == "decoder" and cfg.train.samples > 0:
         print(f"\nsamples ({cfg.train.sample_tokens} tokens, temperature 0.8, top-k 50):")
-        for text in lm_samples(ckpt, cfg):
+        try:
+            texts = lm_samples(ckpt, cfg)
+        except (UsageError, ValueError) as e:  # the run is saved: a sample must never fail it
+            texts = [f"(no samples: {e})"]
+        for text in texts:
             print("-" * 60 + "\n" + text)
         print("-" * 60)
     elif cfg.data.kind == "task":
@@ -100,9 +109,20 @@ def report(result, cfg: RunConfig) -> None:
         print(f"  blockformer generate --checkpoint {q} --prompt {shlex.quote(prompt)} --max-new-tokens 300")
     else:
         print(f"  blockformer translate --checkpoint {q}   (reads sources from stdin)")
-    print(f"  blockformer eval --checkpoint {q}")
+    print(f"  blockformer eval --checkpoint {q}{_eval_data(cfg)}")
     print(f"  blockformer info --checkpoint {q}")
     print(f"  blockformer train --resume {shlex.quote(str(run_dir))} --set train.steps={2 * cfg.train.steps}")
+
+
+def _eval_data(cfg: RunConfig) -> str:
+    """The ``--data`` that ``eval`` needs to score this run's held-out text (it reads no
+    file on a checkpoint's word)."""
+    d = cfg.data
+    if d.kind == "text":
+        return "" if d.text.strip() == "stdlib" else f" --data {shlex.quote(d.text)}"
+    if d.kind == "pairs":
+        return f" --data {shlex.quote((d.val_src or d.src) + ',' + (d.val_tgt or d.tgt))}"
+    return ""
 
 
 def lm_samples(ckpt, cfg: RunConfig) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from typing import Any
 from ..errors import UsageError
 
 Hyps = list[tuple[str, float]]  # (text, score), best first; greedy's score is nan
+MAX_BEAM = 1024  # beyond this a typo, not a search
+MAX_TOKENS = 2**20  # a cap on generated lengths: larger asks would only fail in the allocator
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser, batch_default: int | None = 64) -> None:
@@ -87,6 +90,11 @@ def translate_nbest(
     table = cfg.max_seq_len if cfg.position in ADDITIVE_POSITIONS else None  # absolute positions end there
     ids = [tokenizer.encode(t) if t.strip() else [] for t in texts]
     if table is not None:
+        cut = sum(len(s) > table - 1 for s in ids)
+        if cut:
+            warnings.warn(f"{cut} of {len(ids)} sources are longer than the model's position table allows "
+                          f"({table - 1} tokens + eos, max_seq_len={table}); their ends were cut, as in training",
+                          stacklevel=2)
         ids = [s[: table - 1] for s in ids]  # room for eos, as in training (overlong="clip")
     results: list[Hyps] = [[("", 0.0)] for _ in texts]
     order = sorted((i for i, s in enumerate(ids) if s), key=lambda i: -len(ids[i]))
@@ -124,10 +132,12 @@ def _one_line(text: str) -> str:
 
 
 def _check_decoding(beam: int, alpha: float, n_best: int, a: float, b: int | None, batch_size: int) -> None:
-    if beam < 1:
-        raise UsageError(f"--beam {beam}: expected an integer >= 1 (1 = greedy)")
-    if alpha < 0:
-        raise UsageError(f"--alpha {alpha}: expected a float >= 0")
+    if not 1 <= beam <= MAX_BEAM:
+        raise UsageError(f"--beam {beam}: expected an integer in [1, {MAX_BEAM}] (1 = greedy)")
+    if not 0 <= alpha < math.inf:
+        raise UsageError(f"--alpha {alpha}: expected a finite float >= 0")
+    if not math.isfinite(a) or (b is not None and b > MAX_TOKENS):
+        raise UsageError(f"--max-len-a {a} --max-len-b {b}: expected a finite a and b <= {MAX_TOKENS}")
     if not 1 <= n_best <= beam:
         raise UsageError(f"--n-best {n_best}: expected an integer in [1, --beam={beam}]")
     if a < 0 or (b is not None and b < 0) or (a == 0 and b == 0):
@@ -180,8 +190,12 @@ def _format(index: int, hyps: Hyps, n_best: int) -> Iterable[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..paths import check_output_file  # noqa: PLC0415
+
     options = decoding_options(args)
     _check_decoding(args.beam, args.alpha, args.n_best, args.max_len_a, args.max_len_b, args.batch_size)
+    if args.output != "-":
+        check_output_file(args.output, "--output")  # before translating, not after
     ckpt = load_translator(args.checkpoint, args.device, args.precision, args.quantize)
     if args.input == "-" and sys.stdin.isatty():  # a person typing: answer each line as it comes
         for index, line in enumerate(sys.stdin):
@@ -217,8 +231,12 @@ def translation_metrics(args: argparse.Namespace) -> dict[str, Any]:
 
     from ..generate.scoring import translation_scores  # noqa: PLC0415
 
+    from ..paths import check_output_file  # noqa: PLC0415
+
     if not args.ref:
         raise UsageError("--ref: missing; expected the reference translations of --src, one per line")
+    if getattr(args, "hyp_output", None):
+        check_output_file(args.hyp_output, "--hyp-output")
     sources, references = read_lines(args.src), read_lines(args.ref)
     if len(sources) != len(references):
         raise UsageError(f"{args.ref}: {len(references)} lines but {args.src} has {len(sources)}; expected aligned files")

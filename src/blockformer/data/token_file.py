@@ -61,9 +61,15 @@ def build_token_file(
     cache_dir = Path(cache_dir)
     path = cache_dir / f"tokens-{digest.hexdigest()[:24]}.bin"
     if path.is_file():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=path.name + ".", suffix=".tmp")
+        if check_token_file(path) is None:
+            return path
+        path.unlink()  # truncated or damaged (e.g. a copy cut short): rebuilt below
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=path.name + ".", suffix=".tmp")
+    except OSError as e:
+        raise UsageError(f"{cache_dir}: cannot write the token cache there ({e.strerror}); expected a writable "
+                         f"directory (set data.cache_dir or $BLOCKFORMER_CACHE)") from None
     try:
         with os.fdopen(fd, "wb") as f:
             count = _write_tokens(f, pieces(), tokenizer)
@@ -78,6 +84,27 @@ def build_token_file(
         if os.path.exists(tmp):
             os.remove(tmp)
     return path
+
+
+def check_token_file(path: str | Path) -> str | None:
+    """None if ``path`` is a whole token file (header, and exactly the bytes its count
+    says); else what is wrong with it."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER.size)
+        size = path.stat().st_size
+    except OSError as e:
+        return f"cannot open it ({e.strerror})"
+    if len(raw) < HEADER.size or raw[:8] != MAGIC:
+        return "not a blockformer token file"
+    _, version, itemsize, count, _, _ = HEADER.unpack(raw)
+    if version != VERSION:
+        return f"token file version {version}, expected {VERSION}"
+    expected = HEADER_SIZE + count * itemsize
+    if itemsize not in (2, 4) or size != expected:
+        return f"{size} bytes where its header promises {expected} (truncated or damaged)"
+    return None
 
 
 def _header(tokenizer: Tokenizer, count: int) -> bytes:
@@ -131,6 +158,9 @@ class TokenFile:
         _, version, itemsize, count, self.vocab_size, fingerprint = HEADER.unpack(raw)
         if version != VERSION:
             raise UsageError(f"{self.path}: token file version {version}; expected {VERSION} (delete it)")
+        problem = check_token_file(self.path)
+        if problem is not None:
+            raise UsageError(f"{self.path}: {problem}; delete it to rebuild it")
         self.fingerprint = fingerprint.decode("ascii")
         dtype = np.dtype(np.uint16 if itemsize == 2 else np.uint32)
         self.tokens = np.memmap(self.path, dtype=dtype, mode="r", offset=HEADER_SIZE, shape=(count,))

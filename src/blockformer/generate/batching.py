@@ -9,7 +9,10 @@ the batch, only the mask).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
+
+import numpy as np
 
 import torch
 
@@ -28,11 +31,18 @@ def pad_batch(
     device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> ``(tokens (B, T) long, mask (B, T) bool, True = real token)``."""
+    if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Sequence):
+        raise UsageError(f"{name}: a {type(seqs).__name__}; expected a list of token-id lists (or a tensor)")
     if len(seqs) == 0:
         raise UsageError(f"{name}: empty batch; expected at least one sequence")
     for i, s in enumerate(seqs):
+        if isinstance(s, (str, bytes, int)) or not hasattr(s, "__len__"):
+            raise UsageError(f"{name}[{i}]: {s!r}; expected a list of token ids (encode text with the tokenizer)")
         if len(s) == 0:
             raise UsageError(f"{name}[{i}]: empty; expected at least one token id")
+        ids = s.tolist() if hasattr(s, "tolist") else s
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_)) for t in ids):
+            raise UsageError(f"{name}[{i}]: expected integer token ids")
     T = max(len(s) for s in seqs)
     tokens = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     mask = torch.zeros(len(seqs), T, dtype=torch.bool)

@@ -62,8 +62,8 @@ def beam_search(
         raise UsageError(f"beam_size: {beam_size!r}; expected an integer >= 1")
     if not isinstance(n_best, int) or not 1 <= n_best <= beam_size:
         raise UsageError(f"n_best: {n_best!r}; expected an integer in [1, beam_size={beam_size}]")
-    if alpha < 0:
-        raise UsageError(f"alpha: {alpha}; expected a float >= 0")
+    if not 0 <= alpha < float("inf"):  # also refuses NaN
+        raise UsageError(f"alpha: {alpha}; expected a finite float >= 0")
     src, src_mask = source_batch(model, src, src_mask)
     limits = target_limits(model, src_mask, max_len)
     B, K, T, device = src.shape[0], beam_size, max(limits), src.device

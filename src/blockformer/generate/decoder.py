@@ -3,7 +3,10 @@
 Prompts of different lengths are left-padded and each row counts its positions from its
 own first token, so every position scheme sees the positions it was trained on. With the
 cache (the default) the prompt is run once (prefill) and then one token per step into a
-cache allocated once for ``prompt + max_new_tokens`` slots. Tokens stay on the device:
+cache allocated once for ``prompt + max_new_tokens`` slots. A model with a fixed position
+table (learned, sinusoidal) that would run past its ``max_seq_len`` instead slides a
+window: each step re-encodes the last ``max_seq_len`` tokens without a cache, as nanoGPT
+does, so it can continue for as long as asked. Tokens stay on the device:
 sampling needs no host sync, and finished rows are checked every ``check_every`` steps
 (every step only when a host callback needs the tokens).
 """
@@ -19,6 +22,7 @@ from ..config import ADDITIVE_POSITIONS
 from ..errors import UsageError
 from .batching import PAD_ID, pad_batch, positions_from_mask
 from .sampling import Sampling, choose
+from ..models.checks import trusted_inputs
 from .step import decode_step, eval_mode, model_device, prepare_step
 
 OnToken = Callable[[int, int], None]  # (row, token id): called as each kept token is made
@@ -66,9 +70,15 @@ def generate(
         raise UsageError(f"check_every: {check_every}; expected an integer >= 1")
     device = model_device(model)
     tokens, mask = _prompt_batch(prompts, attention_mask, pad_id, device)
-    B, P = tokens.shape
+    _check_prompt_ids(model, tokens, mask)
     N = max_new_tokens
-    _check_length(model, int(mask.sum(dim=1).max()) + N)
+    window = _window(model, int(mask.sum(dim=1).max()) + N)
+    if window is not None:  # fixed table: slide over the last `window` tokens, re-encoded each step
+        use_cache = False
+        tokens, mask = tokens[:, -window:], mask[:, -window:]
+        keep = mask.any(dim=0)  # columns where some row has a real token
+        tokens, mask = tokens[:, keep], mask[:, keep]
+    B, P = tokens.shape
     if generator is None and seed is not None:
         generator = torch.Generator(device).manual_seed(seed)
     if N == 0:
@@ -79,7 +89,7 @@ def generate(
     host_ids: list[list[int]] = [[] for _ in range(B)]
     cuts: dict[int, int] = {}  # row -> tokens kept, for rows a host callback stopped
 
-    with eval_mode(model):  # tensors made inside: inference tensors throughout, one graph
+    with eval_mode(model), trusted_inputs():  # prompts checked above; inference tensors throughout
         positions = positions_from_mask(mask)
         next_pos = positions[:, -1:] + 1  # (B, 1)
         out = torch.full((B, N), pad_id, dtype=torch.long, device=device)
@@ -88,11 +98,12 @@ def generate(
         if use_cache:
             cache, step = prepare_step(model, decode_step, B, P + N, compile=compile, compile_mode=compile_mode)
             cache_pos = torch.arange(P, device=device)
-            logits = model(tokens, positions, mask, cache=cache, cache_pos=cache_pos)[:, -1]  # prefill
+            logits = model(tokens, attention_mask=mask, positions=positions, cache=cache,
+                           cache_pos=cache_pos)[:, -1]  # prefill
             cache_pos = cache_pos[-1:] + 1  # (1,): the slot the next token fills
         else:
             seq, seq_mask, seq_pos = tokens, mask, positions
-            logits = model(seq, seq_pos, seq_mask)[:, -1]
+            logits = model(seq, attention_mask=seq_mask, positions=seq_pos)[:, -1]
         for i in range(N):
             if eos_id is not None and i < min_new_tokens:
                 logits = logits.index_fill(1, eos_index, float("-inf"))
@@ -114,8 +125,12 @@ def generate(
             else:
                 seq = torch.cat([seq, tok[:, None]], dim=1)
                 seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], dim=1)
-                seq_pos = torch.cat([seq_pos, next_pos], dim=1)
-                logits = model(seq, seq_pos, seq_mask)[:, -1]
+                if window is not None and seq.shape[1] > window:
+                    seq, seq_mask = seq[:, -window:], seq_mask[:, -window:]
+                    seq_pos = positions_from_mask(seq_mask)  # the window starts again at position 0
+                else:
+                    seq_pos = torch.cat([seq_pos, next_pos], dim=1)
+                logits = model(seq, attention_mask=seq_mask, positions=seq_pos)[:, -1]
             next_pos = next_pos + 1
     return _trim(out.tolist(), eos_id, stop_sequences, cuts)
 
@@ -162,6 +177,8 @@ def _prompt_batch(prompts, attention_mask, pad_id, device) -> tuple[torch.Tensor
         if attention_mask is not None:
             raise UsageError("attention_mask: only with a tensor of prompts; lists are padded here")
         return pad_batch(prompts, left=True, pad_id=pad_id, device=device)
+    if prompts.dtype == torch.bool or prompts.is_floating_point() or prompts.is_complex():
+        raise UsageError(f"prompts: dtype {prompts.dtype}; expected integer token ids (torch.long)")
     if prompts.dim() != 2 or prompts.shape[1] == 0:
         raise UsageError(f"prompts: shape {tuple(prompts.shape)}; expected a (batch, length) tensor, length >= 1")
     tokens = prompts.to(device=device, dtype=torch.long)
@@ -175,16 +192,31 @@ def _prompt_batch(prompts, attention_mask, pad_id, device) -> tuple[torch.Tensor
     return tokens, mask
 
 
+MAX_NEW_TOKENS = 2**20  # beyond this a typo: the cache for it would not fit anyway
+
+
 def _check_count(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise UsageError(f"{name}: {value!r}; expected an integer >= 0")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_NEW_TOKENS:
+        raise UsageError(f"{name}: {value!r}; expected an integer in [0, {MAX_NEW_TOKENS}]")
 
 
-def _check_length(model: nn.Module, length: int) -> None:
-    """Absolute position tables end at ``max_seq_len``; the other schemes extrapolate."""
+def _window(model: nn.Module, length: int) -> int | None:
+    """The sliding window for ``length`` tokens: ``max_seq_len`` when a fixed position table
+    (learned, sinusoidal) would end before them; None when everything fits or the scheme
+    has no table (rope, alibi, relative, none continue past it)."""
     cfg = getattr(model, "cfg", None)
     if cfg is not None and cfg.position in ADDITIVE_POSITIONS and length > cfg.max_seq_len:
-        raise UsageError(
-            f"max_new_tokens: prompt + new tokens = {length} exceeds the model's "
-            f"max_seq_len={cfg.max_seq_len} ({cfg.position} positions); expected at most that"
-        )
+        return cfg.max_seq_len
+    return None
+
+
+def _check_prompt_ids(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> None:
+    """Once per call: every real prompt token is an id the model knows."""
+    cfg = getattr(model, "cfg", None)
+    real = tokens[mask]
+    if cfg is None or real.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.aminmax(real))
+    if low < 0 or high >= cfg.vocab_size:
+        raise UsageError(f"prompts: id {low if low < 0 else high} is outside [0, {cfg.vocab_size}); expected "
+                         f"ids the model knows (below vocab_size={cfg.vocab_size})")

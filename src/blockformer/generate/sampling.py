@@ -24,8 +24,8 @@ class Sampling:
     do_sample: bool = True
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise UsageError(f"temperature: {self.temperature}; expected a float >= 0")
+        if not 0 <= self.temperature < float("inf"):  # also refuses NaN
+            raise UsageError(f"temperature: {self.temperature}; expected a finite float >= 0")
         if self.top_k is not None and self.top_k < 1:
             raise UsageError(f"top_k: {self.top_k}; expected an integer >= 1 or None")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:

@@ -8,6 +8,7 @@ from ..config import TransformerConfig
 from ..nn.kv_cache import KVCache
 from ..nn.stack import Stack
 from .base import TransformerModel, default_positions
+from .checks import check_ids, check_mask, check_positions
 from .embedding import Embedding
 
 
@@ -23,8 +24,9 @@ class DecoderModel(TransformerModel):
     def forward(
         self,
         tokens: torch.Tensor,
-        positions: torch.Tensor | None = None,
+        *,
         attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         cache_pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -37,6 +39,10 @@ class DecoderModel(TransformerModel):
         """
         if cache is not None and cache_pos is None:
             raise ValueError("cache_pos is required with a cache: the slots these tokens fill")
+        check_ids(tokens, self.cfg.vocab_size, values=cache is None)  # cached steps: checked by their caller
+        check_mask(attention_mask, tokens, "attention_mask")
+        if cache is None:
+            check_positions(self.cfg, tokens, positions)
         positions = default_positions(tokens, cache_pos) if positions is None else positions
         h = self.decoder(self.embed(tokens, positions), positions, attention_mask, cache=cache, cache_pos=cache_pos)
         return self.head(h)

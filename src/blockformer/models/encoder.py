@@ -7,6 +7,7 @@ import torch
 from ..config import TransformerConfig
 from ..nn.stack import Stack
 from .base import TransformerModel, default_positions
+from .checks import check_ids, check_mask, check_positions
 from .embedding import Embedding
 
 
@@ -22,11 +23,15 @@ class EncoderModel(TransformerModel):
     def forward(
         self,
         tokens: torch.Tensor,
+        *,
         attention_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab). ``attention_mask`` (B, T): True for real
         tokens; padded keys are hidden from every query."""
+        check_ids(tokens, self.cfg.vocab_size)
+        check_mask(attention_mask, tokens, "attention_mask")
+        check_positions(self.cfg, tokens, positions)
         positions = default_positions(tokens, None) if positions is None else positions
         h = self.encoder(self.embed(tokens, positions), positions, attention_mask)
         return self.head(h)

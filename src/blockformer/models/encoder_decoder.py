@@ -12,6 +12,7 @@ from ..config import TransformerConfig
 from ..nn.kv_cache import KVCache
 from ..nn.stack import Stack
 from .base import TransformerModel, default_positions
+from .checks import check_ids, check_mask, check_positions
 from .embedding import Embedding
 
 
@@ -32,6 +33,9 @@ class EncoderDecoderModel(TransformerModel):
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         """src (B, S) -> memory (B, S, d_model). ``src_mask`` (B, S): True for real tokens."""
+        check_ids(src, self.cfg.src_vocab_size or self.cfg.vocab_size, "src")
+        check_mask(src_mask, src, "src_mask")
+        check_positions(self.cfg, src, None, "src")
         positions = default_positions(src, None)
         return self.encoder(self.src_embed(src, positions), positions, src_mask)
 
@@ -40,6 +44,7 @@ class EncoderDecoderModel(TransformerModel):
         tgt: torch.Tensor,
         memory: torch.Tensor | None,
         src_mask: torch.Tensor | None = None,
+        *,
         tgt_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
@@ -51,6 +56,10 @@ class EncoderDecoderModel(TransformerModel):
             raise ValueError("cache_pos is required with a cache: the slots these tokens fill")
         if memory is None and cache is None:
             raise ValueError("decode needs the encoder output (memory) or a filled cache")
+        check_ids(tgt, self.cfg.vocab_size, "tgt", values=cache is None)
+        check_mask(tgt_mask, tgt, "tgt_mask")
+        if cache is None:
+            check_positions(self.cfg, tgt, positions, "tgt")
         positions = default_positions(tgt, cache_pos) if positions is None else positions
         h = self.decoder(
             self.tgt_embed(tgt, positions), positions, tgt_mask, memory, src_mask, cache=cache, cache_pos=cache_pos
@@ -61,8 +70,9 @@ class EncoderDecoderModel(TransformerModel):
         self,
         src: torch.Tensor,
         tgt: torch.Tensor,
+        *,
         src_mask: torch.Tensor | None = None,
         tgt_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(src (B, S), target shifted right (B, T)) -> logits (B, T, vocab)."""
-        return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask)
+        return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask=tgt_mask)

@@ -20,14 +20,15 @@ import torch
 
 from ..errors import UsageError
 from ..models import build_model
+from ..paths import check_writable_dir
 from .checkpoint import (
-    CONFIG,
     WEIGHTS,
     load_tokenizer_for,
     read_config,
     resolve_checkpoint,
     save_checkpoint,
     step_checkpoints,
+    tokenizer_meta,
 )
 
 SOURCES = "averaged_from.json"  # written next to the weights: which checkpoints were averaged
@@ -85,6 +86,10 @@ def average_checkpoints(checkpoints: Sequence[str | Path], output: str | Path) -
     output = Path(output)
     if output.resolve() in {p.resolve() for p in paths}:
         raise UsageError(f"--output {output}: is one of the checkpoints being averaged; expected a new directory")
+    check_writable_dir(output, "checkpoint directory")
+    if output.is_dir() and any(output.iterdir()) and not (output / SOURCES).is_file():
+        raise UsageError(f"--output {output}: already holds files that are not an averaged checkpoint; "
+                         f"expected a new directory (or an earlier average, which is replaced)")
     configs = [read_config(p) for p in paths]
     fingerprints = [_tokenizer_fingerprint(p) for p in paths]
     for p, cfg, fp in zip(paths[1:], configs[1:], fingerprints[1:]):
@@ -103,14 +108,13 @@ def average_checkpoints(checkpoints: Sequence[str | Path], output: str | Path) -
         for name, tensor in state.items():
             params[name].copy_(tensor)
     tokenizer = load_tokenizer_for(paths[0], configs[0].model.vocab_size)
-    save_checkpoint(output, model, tokenizer, configs[-1])
-    (output / SOURCES).write_text(json.dumps([str(p) for p in paths], indent=2) + "\n", encoding="utf-8")
+    sources = json.dumps([str(p) for p in paths], indent=2) + "\n"
+    save_checkpoint(output, model, tokenizer, configs[-1], extra_files={SOURCES: sources})
     return output
 
 
 def _tokenizer_fingerprint(path: Path) -> str | None:
-    data = json.loads((path / CONFIG).read_text(encoding="utf-8"))
-    return data.get("tokenizer", {}).get("fingerprint")
+    return tokenizer_meta(path).get("fingerprint")
 
 
 def _tied_elsewhere(model: torch.nn.Module, name: str, state: dict[str, torch.Tensor]) -> bool:

@@ -6,17 +6,24 @@ prefixes), ``tokenizer.json`` and ``trainer_state.pt`` (optimizer, schedule, ste
 states, data position; plain tensors and containers, loaded with ``weights_only=True``).
 
 It is written into a temporary directory beside its final place, flushed to disk, then
-renamed: a crash mid-save leaves the previous checkpoint untouched. A run directory holds
-``step-NNNNNN`` checkpoints and a ``best`` link to the one with the lowest validation loss;
-the last ``keep_last`` and the best are kept.
+renamed: the rename is the only mark of a complete checkpoint, and a crash at any moment
+leaves the previous checkpoints loadable (see "The save protocol" below). A run directory
+holds ``step-NNNNNN`` checkpoints and a ``best`` link to the one with the lowest
+validation loss; the last ``keep_last`` and the best are kept. Loading never runs code
+from the checkpoint: weights are safetensors, the trainer state is read with
+``weights_only=True``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import pickle
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,18 +66,31 @@ def step_dir_name(step: int) -> str:
 
 
 # ---------------------------------------------------------------------- writing
+# The save protocol. A checkpoint directory is complete exactly when it carries its final
+# name: it is written under a temporary name, its files and the directory fsynced, then
+# renamed into place. Replacing an existing step swaps the two directories atomically
+# (renameat2 RENAME_EXCHANGE) where the filesystem allows, so the step and ``best`` never
+# dangle; deleting first renames to a trash name, so a half-deleted checkpoint is never
+# listed. Temporary and trash names start with a dot and are cleaned at the run's next start.
+TMP_TAG, TRASH_TAG = ".tmp-", ".trash-"
+
+
 def save_checkpoint(
     directory: str | Path,
     model: nn.Module,
     tokenizer: Any,
     config: RunConfig,
     trainer_state: dict[str, Any] | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
-    """Write a checkpoint to ``directory`` atomically (replacing one already there)."""
+    """Write a checkpoint to ``directory`` atomically (replacing one already there);
+    ``extra_files`` (name -> text) are written inside it."""
     directory = Path(directory)
+    if directory.is_file():
+        raise UsageError(f"{directory}: is a file; expected a checkpoint directory (or a new name)")
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = directory.parent / f".{directory.name}{TMP_TAG}{os.getpid()}"
+    _remove_tree(tmp)
     try:
         tmp.mkdir()
         meta = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size,
@@ -82,29 +102,99 @@ def save_checkpoint(
         tokenizer.save(tmp)
         if trainer_state is not None:
             torch.save(trainer_state, tmp / STATE)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
         for f in tmp.iterdir():
             _fsync(f)
         _fsync(tmp)
         _replace_dir(tmp, directory)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_tree(tmp)
         raise
     _fsync(directory.parent)
     return directory
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename ``src`` to ``dst``; an existing ``dst`` is moved aside first, then removed."""
+    """Put directory ``src`` at ``dst``. An existing ``dst`` is exchanged with ``src`` in one
+    atomic step, then deleted; where the filesystem cannot exchange, it is renamed to a
+    trash name just before ``src`` takes its place (``recover`` restores it after a crash
+    in between)."""
     if dst.is_symlink() or dst.is_file():
         dst.unlink()
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
+    if not dst.exists():
         os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
+        return
+    if _exchange(src, dst):  # src now holds the old checkpoint
+        discard(src)
+        return
+    aside = dst.parent / f".{dst.name}{TRASH_TAG}{os.getpid()}"
+    _remove_tree(aside)
+    os.replace(dst, aside)
+    os.replace(src, dst)
+    discard(aside)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 with RENAME_EXCHANGE); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def discard(path: Path) -> None:
+    """Delete a checkpoint directory: renamed to a trash name first (no longer listed), then removed."""
+    path = Path(path)
+    if path.name.startswith(".") and (TRASH_TAG in path.name or TMP_TAG in path.name):
+        _remove_tree(path)
+        return
+    trash = path.parent / f".{path.name}{TRASH_TAG}{os.getpid()}"
+    _remove_tree(trash)
+    os.replace(path, trash)
+    _remove_tree(trash)
+
+
+def _remove_tree(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def recover(run_dir: str | Path) -> list[Path]:
+    """Clean up after a crashed writer of ``run_dir`` (call holding the run's lock): a
+    checkpoint moved aside whose replacement never arrived is put back; other temporary
+    and trash entries are removed. Returns the removed paths."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    removed = []
+    for p in sorted(run_dir.iterdir()):
+        if not p.name.startswith(".") or not (TMP_TAG in p.name or TRASH_TAG in p.name):
+            continue
+        name = p.name[1:].split(TRASH_TAG)[0].split(TMP_TAG)[0]
+        final = run_dir / name
+        if TRASH_TAG in p.name and _STEP_DIR.match(name) and not final.exists() and _complete(p):
+            os.replace(p, final)  # the crash came between moving it aside and the new one's rename
+            continue
+        _remove_tree(p)
+        removed.append(p)
+    return removed
+
+
+def _complete(path: Path) -> bool:
+    return (path / CONFIG).is_file() and (path / WEIGHTS).is_file()
 
 
 def _fsync(path: Path) -> None:
@@ -123,20 +213,29 @@ def _fsync(path: Path) -> None:
 def mark_best(run_dir: str | Path, checkpoint: str | Path) -> None:
     """Point ``run_dir/best`` at ``checkpoint`` (a relative symlink, swapped atomically)."""
     run_dir = Path(run_dir)
-    tmp = run_dir / f".{BEST}.tmp-{os.getpid()}"
+    tmp = run_dir / f".{BEST}{TMP_TAG}{os.getpid()}"
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
     os.symlink(Path(checkpoint).name, tmp)
     os.replace(tmp, run_dir / BEST)
+    _fsync(run_dir)
 
 
 def step_checkpoints(run_dir: str | Path) -> list[Path]:
-    """The ``step-NNNNNN`` checkpoints in ``run_dir``, oldest first."""
+    """The complete ``step-NNNNNN`` checkpoints in ``run_dir``, oldest first (temporary,
+    trash and incomplete directories are never listed)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and p.is_dir() and _complete(p)]
     return [p for _, p in sorted(found)]
+
+
+def best_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint ``run_dir/best`` points at, or None (absent, or dangling)."""
+    best = Path(run_dir) / BEST
+    return best if best.is_dir() and _complete(best) else None
 
 
 def prune(run_dir: str | Path, keep_last: int) -> list[Path]:
@@ -147,7 +246,7 @@ def prune(run_dir: str | Path, keep_last: int) -> list[Path]:
     ckpts = step_checkpoints(run_dir)
     doomed = [p for p in ckpts[: max(0, len(ckpts) - keep_last)] if p.name not in keep]
     for p in doomed:
-        shutil.rmtree(p)
+        discard(p)
     return doomed
 
 
@@ -178,7 +277,7 @@ def _read_json(path: str | Path) -> dict[str, Any]:
     path = resolve_checkpoint(path)
     try:
         data = json.loads((path / CONFIG).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"{path / CONFIG}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise UsageError(f"{path / CONFIG}: expected a JSON object with model, data and train")
@@ -212,13 +311,27 @@ def load_tokenizer_for(path: str | Path, vocab_size: int) -> Any:
             f"{file}: tokenizer has {tokenizer.vocab_size} tokens but the model expects "
             f"vocab_size={vocab_size}; expected the tokenizer saved with this checkpoint"
         )
-    recorded = json.loads((path / CONFIG).read_text(encoding="utf-8")).get("tokenizer", {}).get("fingerprint")
+    recorded = tokenizer_meta(path).get("fingerprint")
     if recorded is not None and recorded != tokenizer.fingerprint():
         raise UsageError(
             f"{file}: not the tokenizer this model was trained with (fingerprint {tokenizer.fingerprint()}, "
             f"expected {recorded})"
         )
     return tokenizer
+
+
+def tokenizer_meta(path: str | Path) -> dict[str, Any]:
+    """The ``tokenizer`` entry of a checkpoint's ``config.json`` (kind, vocab_size, fingerprint)."""
+    file = Path(path) / CONFIG
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{file}: not valid JSON ({e})") from None
+    meta = data.get("tokenizer", {}) if isinstance(data, dict) else None
+    if not isinstance(meta, dict) or not isinstance(meta.get("fingerprint", ""), (str, type(None))):
+        raise UsageError(f"{file}: 'tokenizer' is {meta!r}; expected an object with kind, vocab_size "
+                         f"and fingerprint (as written by save_checkpoint)")
+    return meta
 
 
 def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> Checkpoint:
@@ -237,6 +350,13 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
         raise UsageError(f"{file}: trainer state not found; expected a checkpoint from `blockformer train`")
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only load failed" in str(e).lower() or "unsupported global" in str(e).lower():
+            raise UsageError(f"{file}: refused: it holds objects other than tensors and plain containers, "
+                             f"which could run code when loaded; not loaded (use a checkpoint written by "
+                             f"`blockformer train`)") from None
+        raise UsageError(f"{file}: cannot read the trainer state (UnpicklingError); the file is damaged, "
+                         f"resume from an earlier checkpoint") from None
     except Exception as e:  # torch.load raises many types for a damaged file: name it, do not trace back
         raise UsageError(f"{file}: cannot read the trainer state ({type(e).__name__}); the file is damaged, "
                          f"resume from an earlier checkpoint") from None

@@ -5,6 +5,11 @@ from a checkpoint), then repeats: gather ``grad_accum`` micro-batches, backpropa
 token-weighted loss, clip, step AdamW and the schedule. Every ``eval_every`` steps it
 evaluates, saves a checkpoint and keeps the last k and the best. SIGINT/SIGTERM, or
 ``train.max_minutes`` running out, finish the current step, save, and return.
+
+The run directory is locked for the whole call (``run_dir.RunLock``); a fresh run refuses
+a directory that holds an earlier run unless ``overwrite``. A non-finite loss stops the
+run (``NonFiniteLoss``; the weights are not updated by that step and the checkpoints on
+disk are kept) or, with ``train.nonfinite="skip"``, skips that step's update.
 """
 
 from __future__ import annotations
@@ -21,20 +26,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import UsageError
 from ..run_config import RunConfig
 from ..stats import count_parameters
 from .checkpoint import (
+    best_checkpoint,
     load_trainer_state,
     load_weights,
     mark_best,
     prune,
     resolve_checkpoint,
     save_checkpoint,
+    step_checkpoints,
     step_dir_name,
 )
 from .metrics import MetricsLog, perplexity, plot_losses
 from .optim import build_optimizer
 from .precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
+from .run_dir import RunLock, clear_previous_run, prepare
 from .schedule import build_scheduler
 from .setup import Objective, build_run
 
@@ -48,6 +57,14 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # training loss of each step of this call
     val: dict[str, float] = field(default_factory=dict)  # the last evaluation
     interrupted: bool = False
+    signal: int | None = None  # SIGINT/SIGTERM when a signal stopped the run
+    skipped: int = 0  # steps whose update was skipped for a non-finite loss (train.nonfinite="skip")
+
+
+class NonFiniteLoss(UsageError):
+    """The training loss became NaN or infinite (``train.nonfinite="stop"``)."""
+
+    exit_code = 3
 
 
 def train(
@@ -57,11 +74,21 @@ def train(
     resume: str | Path | None = None,
     stop_at: int | None = None,
     log: Any = print,
+    overwrite: bool = False,
 ) -> TrainResult:
     """Train ``cfg`` into ``run_dir``; ``resume`` continues from a checkpoint (or a run
     directory's latest). ``stop_at`` ends this call early at that step, saving a checkpoint,
-    as if interrupted."""
+    as if interrupted. A fresh run into a directory holding an earlier run raises
+    UsageError unless ``overwrite``; another process training there raises UsageError."""
     run_dir = Path(run_dir)
+    with RunLock(run_dir):
+        cleaned = prepare(run_dir, fresh=resume is None, overwrite=overwrite)
+        if cleaned:
+            log(f"{run_dir}: removed {len(cleaned)} temporary entries left by an interrupted run")
+        return _train(cfg, run_dir, resume=resume, stop_at=stop_at, log=log, overwrite=overwrite)
+
+
+def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) -> TrainResult:
     tc = cfg.train
     device = resolve_device(tc.device)
     requested = tc.precision
@@ -88,8 +115,8 @@ def train(
         objective.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         step, best_loss = state["step"], state["best_val_loss"]
-    elif run_dir.exists():
-        _clear_previous_run(run_dir, log)
+    elif overwrite:
+        clear_previous_run(run_dir, log)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.to_toml(run_dir / "config.toml")
     metrics = MetricsLog(run_dir, resume_step=step if state is not None else None)
@@ -129,14 +156,29 @@ def train(
         while step < last_stop and not stopper.requested and time.monotonic() < deadline:
             batches = [objective.next_batch() for _ in range(tc.grad_accum)]
             lr = scheduler.get_last_lr()[0]
-            pending.append(train_step(fwd_model, objective, batches, optimizer, scaler, params, tc, device))
+            loss = train_step(fwd_model, objective, batches, optimizer, scaler, params, tc, device,
+                              check_finite=True)
+            if loss is None:  # non-finite: no update was made
+                if tc.nonfinite == "stop":
+                    last = step_checkpoints(run_dir)
+                    raise NonFiniteLoss(
+                        f"train: the loss became NaN or infinite at step {step + 1}; stopped without "
+                        f"updating the weights. Last checkpoint: {last[-1] if last else 'none'}. Expected a "
+                        f"finite loss: lower train.lr (now {tc.lr:g}), raise train.warmup, or set "
+                        f"train.nonfinite=skip to skip such steps"
+                    )
+                result.skipped += 1
+                if result.skipped in (1, 10, 100) or result.skipped % 1000 == 0:
+                    log(f"step {step + 1}: non-finite loss, update skipped ({result.skipped} so far)")
+            else:
+                pending.append(loss)
             scheduler.step()
             step += 1
             tokens_seen += sum(objective.count_tokens(b) for b in batches)
             if bar is not None:
                 bar.update(1)
             if step % tc.log_every == 0 or step == last_stop:
-                losses = torch.stack(pending).tolist()
+                losses = torch.stack(pending).tolist() if pending else [float("nan")]
                 pending.clear()
                 result.losses.extend(losses)
                 tok_s = tokens_seen / max(time.perf_counter() - t0, 1e-9)
@@ -158,8 +200,8 @@ def train(
         bar.close()
     result.step = step
     result.interrupted = step < tc.steps
-    best = run_dir / "best"
-    result.best = best if best.exists() else None
+    result.signal = stopper.signal
+    result.best = best_checkpoint(run_dir)
     plot_losses(run_dir)
     return result
 
@@ -173,9 +215,12 @@ def train_step(
     params: list[torch.nn.Parameter],
     tc: Any,
     device: torch.device,
-) -> torch.Tensor:
+    check_finite: bool = False,
+) -> torch.Tensor | None:
     """One optimizer update from ``batches`` (the micro-batches of gradient accumulation),
-    each weighted by its share of the target tokens; returns the mean loss per token."""
+    each weighted by its share of the target tokens; returns the mean loss per token.
+    With ``check_finite``, a NaN or infinite loss makes no update and returns None (one
+    host sync per step)."""
     model.train()
     n_targets = sum(objective.count_targets(b) for b in batches)
     total = torch.zeros((), device=device)
@@ -184,6 +229,9 @@ def train_step(
             loss_sum = objective.loss(model, batch, tc.label_smoothing)
         scaler.scale(loss_sum / n_targets).backward()
         total += loss_sum.detach()
+    if check_finite and not bool(torch.isfinite(total)):
+        optimizer.zero_grad(set_to_none=True)
+        return None
     scaler.unscale_(optimizer)  # clip the true gradients (a no-op unless fp16)
     if tc.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
@@ -209,20 +257,6 @@ def _progress(tc, start: int, stop: int):
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     return tqdm(total=stop, initial=start, desc="train", unit="step", dynamic_ncols=True, smoothing=0.1)
-
-
-def _clear_previous_run(run_dir: Path, log: Any) -> None:
-    """A fresh run in a used directory replaces the old run's checkpoints and metrics."""
-    from .checkpoint import BEST, step_checkpoints  # noqa: PLC0415
-    import shutil  # noqa: PLC0415
-
-    old = step_checkpoints(run_dir)
-    if old:
-        log(f"{run_dir}: replacing the previous run there ({len(old)} checkpoints)")
-    for p in old:
-        shutil.rmtree(p)
-    if (run_dir / BEST).is_symlink():
-        (run_dir / BEST).unlink()
 
 
 # ---------------------------------------------------------------------- RNG state
@@ -253,12 +287,14 @@ class _Stopper:
 
     def __init__(self) -> None:
         self.requested = False
+        self.signal: int | None = None  # the signal that asked to stop
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame) -> None:
         if self.requested:  # a second Ctrl-C stops at once
             raise KeyboardInterrupt
         self.requested = True
+        self.signal = signum
 
     def __enter__(self) -> "_Stopper":
         if threading.current_thread() is threading.main_thread():

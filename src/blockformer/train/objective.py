@@ -123,7 +123,7 @@ class Seq2Seq(Objective):
         return batch.to(self.device, non_blocking=True)
 
     def loss(self, model: nn.Module, batch: Seq2SeqBatch, label_smoothing: float = 0.0) -> torch.Tensor:
-        logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+        logits = model(batch.src, batch.tgt_in, src_mask=batch.src_mask, tgt_mask=batch.tgt_mask)
         return token_loss(logits, batch.tgt_out, label_smoothing)
 
     def count_targets(self, batch: Seq2SeqBatch) -> int:

@@ -1,0 +1,168 @@
+"""The run directory: one writer at a time, and a new run never destroys an old one.
+
+``RunLock`` is a lock file, ``run_dir/.lock``, holding the owner's pid and host. It is
+created atomically (a hard link of a finished file, so it never exists half-written) and
+removed when training ends, by any path: return, exception, SIGINT/SIGTERM. A lock left by
+a process that died without cleaning up (kill -9, power loss) is stale: on the same host,
+a pid that no longer runs is detected and the lock taken over; on another host the user
+is told whom to ask. ``check_fresh`` refuses a fresh run into a directory that already
+holds something, naming the ways forward.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from ..paths import check_writable_dir
+from .checkpoint import BEST, TMP_TAG, TRASH_TAG, discard, recover, step_checkpoints
+
+LOCK = ".lock"
+
+
+class RunLock:
+    """Exclusive ownership of a run directory (a context manager)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK
+        self.held = False
+
+    def acquire(self) -> "RunLock":
+        check_writable_dir(self.run_dir, "run directory")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        for _ in range(3):
+            if self._try_create(me):
+                self.held = True
+                return self
+            owner = _read_owner(self.path)
+            if owner == me:  # this process already holds it (a second train() in one process)
+                break
+            if owner is not None and not _is_stale(owner):
+                raise UsageError(
+                    f"{self.run_dir}: another training is writing there (pid {owner['pid']} on "
+                    f"{owner['host']}); wait for it to finish, or train into another --out DIR "
+                    f"(if that process is gone, delete {self.path})"
+                )
+            _unlink(self.path)  # stale: its owner died without releasing it
+        raise UsageError(f"{self.path}: cannot take the run directory's lock; expected no other writer there")
+
+    def _try_create(self, me: dict[str, Any]) -> bool:
+        tmp = self.run_dir / f"{LOCK}{TMP_TAG}{os.getpid()}"
+        tmp.write_text(json.dumps(me) + "\n", encoding="utf-8")
+        try:
+            os.link(tmp, self.path)  # atomic, and fails if a lock exists: never a half-written lock
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:  # filesystems without hard links: exclusive create
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(me) + "\n")
+            return True
+        finally:
+            _unlink(tmp)
+
+    def release(self) -> None:
+        if self.held:
+            owner = _read_owner(self.path)
+            if owner is None or owner.get("pid") == os.getpid():
+                _unlink(self.path)
+            self.held = False
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _read_owner(path: Path) -> dict[str, Any] | None:
+    try:
+        owner = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {"pid": -1, "host": "?"}  # unreadable: treated as stale below
+    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
+        return {"pid": -1, "host": "?"}
+    return owner
+
+
+def _is_stale(owner: dict[str, Any]) -> bool:
+    """Whether the lock's owner is certainly gone: same host and no such process."""
+    pid = owner["pid"]
+    if pid <= 0:
+        return True
+    if owner.get("host") != socket.gethostname():
+        return False  # cannot see processes elsewhere: the user decides
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # it runs, as another user
+    return False
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def leftovers(run_dir: Path) -> list[Path]:
+    """What a run directory holds besides its lock and temporaries of crashed writers."""
+    if not run_dir.is_dir():
+        return []
+    return [p for p in run_dir.iterdir()
+            if p.name != LOCK and not (p.name.startswith(".") and (TMP_TAG in p.name or TRASH_TAG in p.name))]
+
+
+def check_fresh(run_dir: Path, overwrite: bool) -> None:
+    """A fresh run may use an empty or new directory; a used one only with ``overwrite``."""
+    used = leftovers(run_dir)
+    if used and not overwrite:
+        n = len(step_checkpoints(run_dir))
+        what = f"{n} checkpoint{'s' * (n != 1)} of an earlier run" if n else f"{len(used)} entries"
+        raise UsageError(
+            f"{run_dir}: already holds {what}; continue it with --resume {run_dir}, train into "
+            f"another --out DIR, or pass --overwrite to replace it"
+        )
+
+
+def clear_previous_run(run_dir: Path, log: Any = print) -> None:
+    """``--overwrite``: remove an earlier run's checkpoints, ``best`` and metrics (only those)."""
+    from .metrics import METRICS, PLOT  # noqa: PLC0415
+
+    old = step_checkpoints(run_dir)
+    if old:
+        log(f"{run_dir}: --overwrite: removing the previous run there ({len(old)} checkpoints)")
+    best = run_dir / BEST
+    if best.is_symlink() or best.is_file():
+        best.unlink()
+    for p in old:
+        discard(p)
+    for name in (METRICS, PLOT):
+        _unlink(run_dir / name)
+
+
+def prepare(run_dir: Path, *, fresh: bool, overwrite: bool) -> list[Path]:
+    """Under the lock: clean what crashed writers left; refuse a fresh run into a used
+    directory unless ``overwrite``. Returns the cleaned paths."""
+    cleaned = recover(run_dir)
+    if fresh:
+        check_fresh(run_dir, overwrite)
+    return cleaned

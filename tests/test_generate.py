@@ -186,10 +186,21 @@ def test_text_stream_writes_everything_when_no_stop_string_appears():
 
 
 # ------------------------------------------------------------------ user errors
-def test_absolute_positions_cannot_run_past_max_seq_len():
-    with pytest.raises(UsageError, match="max_seq_len=64"):
-        generate(make("learned"), PROMPTS, 60, temperature=0)
-    assert len(generate(make("rope"), [[5]], 70, temperature=0)[0]) == 70  # rope extrapolates
+@pytest.mark.parametrize("position", ["learned", "sinusoidal"])
+def test_fixed_position_tables_slide_a_window_past_max_seq_len(position):
+    """Past a learned/sinusoidal table, each token is predicted from the last max_seq_len
+    tokens re-encoded from position 0 (nanoGPT's crop): checked step by step by hand."""
+    model = make(position, max_seq_len=8).eval()
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13]]
+    out = generate(model, prompts, 12, temperature=0)
+    assert [len(o) for o in out] == [12, 12]
+    for prompt, new in zip(prompts, out):
+        seq = list(prompt)
+        for t in new:
+            window = torch.tensor([seq[-8:]])
+            assert int(model(window)[0, -1].argmax()) == t
+            seq.append(t)
+    assert len(generate(make("rope"), [[5]], 70, temperature=0)[0]) == 70  # rope extrapolates, no window
 
 
 def test_empty_prompt_and_bad_counts_are_usage_errors():

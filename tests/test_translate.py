@@ -161,9 +161,9 @@ def test_decoder_checkpoint_is_a_usage_error(tmp_path, capsys):
     "args, message",
     [
         (["--n-best", "3", "--beam", "2"], "--n-best 3: expected an integer in [1, --beam=2]"),
-        (["--beam", "0"], "--beam 0: expected an integer >= 1"),
+        (["--beam", "0"], "--beam 0: expected an integer in [1, 1024]"),
         (["--batch-size", "0"], "--batch-size 0: expected an integer >= 1"),
-        (["--alpha", "-1"], "--alpha -1.0: expected a float >= 0"),
+        (["--alpha", "-1"], "--alpha -1.0: expected a finite float >= 0"),
         (["--input", "missing.txt"], "missing.txt: no such file"),
     ],
 )

@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
     from ..train.precision import autocast, check_precision, resolve_device  # noqa: PLC0415
 
+    if args.batch_size is not None and not 1 <= args.batch_size <= 2**16:
+        raise UsageError(f"--batch-size {args.batch_size}: expected an integer in [1, 65536]")
     if args.src or args.ref:
         from .translate import print_translation_metrics, translation_metrics  # noqa: PLC0415
 

@@ -42,14 +42,22 @@ def run(args: argparse.Namespace) -> int:
     from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
     from ..train.precision import check_precision, resolve_device  # noqa: PLC0415
 
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: expected an integer >= 1")
+    from ..generate.decoder import MAX_NEW_TOKENS  # noqa: PLC0415
+
+    if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: expected an integer in [1, {MAX_NEW_TOKENS}]")
     if not 0 <= args.min_new_tokens <= args.max_new_tokens:
         raise UsageError(f"--min-new-tokens {args.min_new_tokens}: expected 0..--max-new-tokens")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature {args.temperature}: expected a float >= 0")
+    if not 0 <= args.temperature < float("inf"):  # also refuses nan
+        raise UsageError(f"--temperature {args.temperature}: expected a finite float >= 0 (0 = greedy)")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p {args.top_p}: expected a float in (0, 1]")
+    if args.top_k is not None and args.top_k < 1:
+        raise UsageError(f"--top-k {args.top_k}: expected an integer >= 1")
+    if not 1 <= args.num_samples <= 10_000:
+        raise UsageError(f"--num-samples {args.num_samples}: expected an integer in [1, 10000]")
+    if not 0 <= args.seed < 2**63:
+        raise UsageError(f"--seed {args.seed}: expected an integer in [0, 2**63)")
     device = resolve_device(args.device)
     check_precision(args.precision, device)
     ckpt = load_checkpoint(args.checkpoint, device)

@@ -33,12 +33,13 @@ def model_info(cfg: RunConfig, batch_size: int | None = None, seq_len: int | Non
     from ..stats import count_parameters, flops_per_token, memory_estimate  # noqa: PLC0415
 
     m = cfg.model
-    T = seq_len or (cfg.data.seq_len if m.arch == "decoder" else m.max_seq_len)
+    T = seq_len if seq_len is not None else (cfg.data.seq_len if m.arch == "decoder" else m.max_seq_len)
     if batch_size is None and m.arch == "encoder-decoder" and cfg.data.kind != "task":
         batch_size = max(1, cfg.train.max_tokens // T)  # batches of aligned pairs are sized by tokens
-    B = batch_size or cfg.train.batch_size
-    if B < 1 or T < 1:
-        raise UsageError(f"--batch-size {B} / --seq-len {T}: expected integers >= 1")
+    B = cfg.train.batch_size if batch_size is None else batch_size
+    for flag, value in (("--batch-size", B), ("--seq-len", T)):
+        if not 1 <= value <= 2**40:
+            raise UsageError(f"{flag} {value}: expected an integer in [1, 2**40]")
     with torch.device("meta"):
         model = build_model(m)
     memory = memory_estimate(m, B, T)

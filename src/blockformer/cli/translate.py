@@ -241,7 +241,7 @@ def translation_metrics(args: argparse.Namespace) -> dict[str, Any]:
     if len(sources) != len(references):
         raise UsageError(f"{args.ref}: {len(references)} lines but {args.src} has {len(sources)}; expected aligned files")
     options = decoding_options(args)
-    options["batch_size"] = args.batch_size or 64
+    options["batch_size"] = 64 if args.batch_size is None else args.batch_size
     _check_decoding(args.beam, args.alpha, 1, args.max_len_a, args.max_len_b, options["batch_size"])
     ckpt = load_translator(args.checkpoint, args.device, args.precision, args.quantize)
     t0 = time.perf_counter()

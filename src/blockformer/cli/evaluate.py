@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.batches < 0:
         raise UsageError(f"--batches {args.batches}: expected an integer >= 0")
-    device = resolve_device(args.device)
-    check_precision(args.precision, device)
+    device = resolve_device(args.device, "--device")
+    check_precision(args.precision, device, "--precision")
     ckpt = load_checkpoint(args.checkpoint, device)
     quantize(ckpt.model, args.quantize)
     cfg = ckpt.config

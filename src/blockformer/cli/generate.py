@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--num-samples {args.num_samples}: expected an integer in [1, 10000]")
     if not 0 <= args.seed < 2**63:
         raise UsageError(f"--seed {args.seed}: expected an integer in [0, 2**63)")
-    device = resolve_device(args.device)
-    check_precision(args.precision, device)
+    device = resolve_device(args.device, "--device")
+    check_precision(args.precision, device, "--precision")
     ckpt = load_checkpoint(args.checkpoint, device)
     if ckpt.config.model.arch != "decoder":
         raise UsageError(

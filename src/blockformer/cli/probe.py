@@ -138,8 +138,9 @@ def run(args: argparse.Namespace) -> int:
     plot = None
     if args.plot:
         plot = Path(args.plot)
+        check_output_file(plot, "--plot")  # before the experiment runs (a directory is refused)
         plot = plot if plot.suffix else plot.with_suffix(".png")  # what matplotlib writes for a bare name
-        check_output_file(plot, "--plot")  # before the experiment runs
+        check_output_file(plot, "--plot")
     result = module.run(**options)
     print(result.to_json() if args.json else result.table())
     if plot is not None:

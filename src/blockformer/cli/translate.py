@@ -159,8 +159,8 @@ def load_translator(checkpoint: str, device_name: str, precision: str, quantize:
     from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
     from ..train.precision import check_precision, resolve_device  # noqa: PLC0415
 
-    device = resolve_device(device_name)
-    check_precision(precision, device)
+    device = resolve_device(device_name, "--device")
+    check_precision(precision, device, "--precision")
     ckpt = load_checkpoint(checkpoint, device)
     arch = ckpt.config.model.arch
     if arch != "encoder-decoder":

@@ -22,12 +22,13 @@ from ..errors import UsageError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda when available, else cpu; ``cuda`` without a GPU is a usage error."""
+def resolve_device(name: str, option: str = "train.device") -> torch.device:
+    """``auto`` -> cuda when available, else cpu; ``cuda`` without a GPU is a usage error
+    (naming ``option``, as the user spelled it)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("train.device='cuda': no CUDA device is available; expected 'auto' or 'cpu'")
+        raise UsageError(f"{option}='cuda': no CUDA device is available; expected 'auto' or 'cpu'")
     return torch.device(name)
 
 
@@ -97,13 +98,14 @@ def _bf16_slowdown(n: int = 256, repeats: int = 10) -> float:
     return times[torch.bfloat16] / max(times[torch.float32], 1e-9)
 
 
-def check_precision(precision: str, device: torch.device) -> None:
+def check_precision(precision: str, device: torch.device, name: str = "train.precision") -> None:
+    """``name``: how the user spelled the option (``--precision`` on the decoding commands)."""
     if precision == "fp16" and device.type != "cuda":
         raise UsageError(
-            f"train.precision='fp16': needs a CUDA device (got {device.type}); expected 'bf16' or 'fp32' here"
+            f"{name}='fp16': needs a CUDA device (got {device.type}); expected 'bf16' or 'fp32' here"
         )
     if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UsageError("train.precision='bf16': this GPU lacks bfloat16; expected 'fp16' or 'fp32'")
+        raise UsageError(f"{name}='bf16': this GPU lacks bfloat16; expected 'fp16' or 'fp32'")
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:

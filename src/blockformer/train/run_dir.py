@@ -136,7 +136,8 @@ def check_fresh(run_dir: Path, overwrite: bool) -> None:
     used = leftovers(run_dir)
     if used and not overwrite:
         n = len(step_checkpoints(run_dir))
-        what = f"{n} checkpoint{'s' * (n != 1)} of an earlier run" if n else f"{len(used)} entries"
+        what = (f"{n} checkpoint{'s' * (n != 1)} of an earlier run" if n
+                else f"{len(used)} entr{'ies' if len(used) != 1 else 'y'} ({used[0].name}, ...)")
         raise UsageError(
             f"{run_dir}: already holds {what}; continue it with --resume {run_dir}, train into "
             f"another --out DIR, or pass --overwrite to replace it"

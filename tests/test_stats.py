@@ -32,3 +32,31 @@ def test_memory_estimate_counts_weights_and_optimizer_state():
     assert est["parameters"] == count_parameters(build_model(cfg))
     assert est["weights_bytes"] == 4 * est["parameters"]
     assert est["total_bytes"] == pytest.approx(4 * est["weights_bytes"] + est["activation_bytes"])
+
+
+@pytest.mark.parametrize("d, layers, heads, seq_len, vocab, attention_dropout", [
+    (128, 2, 4, 128, 1000, 0.0),
+    (64, 3, 4, 128, 500, 0.1),  # attention dropout: the scores are stored too
+    (256, 2, 8, 64, 2000, 0.0),
+])
+def test_the_activation_estimate_is_within_30_percent_of_measured_memory(d, layers, heads, seq_len, vocab,
+                                                                         attention_dropout):
+    """The bytes a training forward keeps alive for backward (every live tensor counted by
+    TensorMemory, the parameters excluded) against memory_estimate's activation figure:
+    ratios 1.00-1.13 here."""
+    import torch
+
+    from blockformer.probes.memory import measure
+    from blockformer.train.loss import token_loss
+
+    cfg = TransformerConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads,
+                            attention_dropout=attention_dropout)
+    model = build_model(cfg, seed=0).train()
+    B = 8
+    x, y = torch.randint(0, vocab, (B, seq_len)), torch.randint(0, vocab, (B, seq_len))
+    kept = []
+    peak = measure(lambda: kept.append(token_loss(model(x), y, 0.0)))["peak_bytes"]
+    # The weights are seen too (as the transposed views a linear layer takes): not activations.
+    measured = peak - sum(p.numel() * p.element_size() for p in model.parameters())
+    estimate = memory_estimate(cfg, B, seq_len)["activation_bytes"]
+    assert 0.8 < measured / estimate < 1.3, (measured, estimate)

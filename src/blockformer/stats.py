@@ -52,16 +52,20 @@ def flops_per_token(cfg: TransformerConfig, seq_len: int | None = None, *, train
 
 def memory_estimate(cfg: TransformerConfig, batch_size: int, seq_len: int, *, bytes_per_value: int = 4) -> dict[str, int]:
     """Rough training memory in bytes: weights, grads and two AdamW moments (4 copies of
-    the parameters), plus stored activations (~34 values per token per layer per width
-    unit and 5 per head per score, Korthikanti et al. 2022, without recomputation)."""
+    the parameters), plus stored activations. Korthikanti et al. (2022) count 34 bytes per
+    token per layer per width unit and 5 per head per attention score, in 16-bit values:
+    17 values per width unit here. Scores are stored only when attention dropout is on (the
+    fused kernel keeps none); then this implementation keeps 3 values per score (softmax
+    output, dropout mask and output), as measured in tests/test_stats.py."""
     from .models import build_model  # noqa: PLC0415 - avoids an import cycle
     import torch
 
     with torch.device("meta"):
         params = count_parameters(build_model(cfg))
     layers = cfg.total_layers
-    act = layers * batch_size * seq_len * (34 * cfg.d_model + 5 * cfg.n_heads * seq_len)
-    act += batch_size * seq_len * cfg.vocab_size * 2  # logits and their gradient
+    scores = 3 * cfg.n_heads * seq_len if cfg.attention_dropout > 0 else 0
+    act = int(layers * batch_size * seq_len * (17 * cfg.d_model + scores))
+    act += batch_size * seq_len * cfg.vocab_size * 2  # logits and their log-softmax
     weights = params * bytes_per_value
     return {
         "parameters": params,

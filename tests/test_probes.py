@@ -175,7 +175,16 @@ def test_cost_score_memory_grows_as_the_square_of_the_sequence_length():
 def test_cost_block_vs_lstm_counts_sequential_steps():
     result = cost.run(seq_lens="16", rnn_seq_lens="8,16", d_model=16, n_heads=2, rnn_batch_size=2, repeats=1)
     rnn = result.data["rnn"]
+    # counted by hooks on the modules (the LSTM unrolled into its cell, which gives its output)
     assert [(r["block_sequential_steps"], r["lstm_sequential_steps"]) for r in rnn] == [(1, 8), (1, 16)]
+    assert all(r["lstm_unrolled_max_error"] < 1e-5 for r in rnn)
+    # counted by FlopCounterMode, against hand arithmetic: 4 gates, each a (d x 2d) matmul per token;
+    # the block's qkv, output and FFN matmuls plus QK^T and AV over all T^2 pairs
+    d, B, d_ff = 16, 2, 64
+    for r in rnn:
+        T = r["seq_len"]
+        assert r["lstm_forward_flops"] == 2 * 4 * d * (2 * d) * B * T
+        assert r["block_forward_flops"] == 2 * (4 * d * d + 2 * d * d_ff) * B * T + 4 * B * T * T * d
     assert rnn[1]["lstm_forward_flops"] == 2 * rnn[0]["lstm_forward_flops"]  # linear in T
     assert all(r["block_seconds"] > 0 and r["lstm_seconds"] > 0 for r in rnn)
     assert "LSTM" in result.table()
@@ -234,7 +243,7 @@ def test_attention_entropy_of_uniform_and_one_hot_rows():
 
 
 def test_attention_probe_reads_a_checkpoint(tmp_path):
-    ckpt = pytest.importorskip("blockformer.train.checkpoint")
+    from blockformer.train import checkpoint as ckpt
     from blockformer.run_config import RunConfig
     from blockformer.tokenizers import train_tokenizer
 

@@ -78,25 +78,60 @@ def block_vs_lstm(
     cfg = TransformerConfig(arch="decoder", d_model=d_model, n_heads=n_heads, max_seq_len=max(seq_lens))
     block = Block(cfg).to(device)
     lstm = torch.nn.LSTM(d_model, d_model, batch_first=True).to(device)
-    d = d_model
-    block_flops_per_token = 2 * (4 * d * d + 2 * d * cfg.d_ff)  # qkv + out, FFN up + down
-    lstm_flops_per_token = 2 * 4 * d * (d + d)  # four gates, from the input and the hidden state
+    cell = lstm_cell(lstm)
     out = []
     for T in seq_lens:
-        x = torch.randn(batch_size, T, d, device=device, requires_grad=True)
-        tokens = batch_size * T
+        x = torch.randn(batch_size, T, d_model, device=device, requires_grad=True)
+        xd = x.detach()
+        with sdpa_kernel([SDPBackend.MATH]):  # attention as matmuls, which the counter sees
+            block_steps, block_flops, _ = counted(block, lambda: block(xd))
+        # The LSTM unrolled into its cell: each call needs the previous call's state.
+        lstm_steps, lstm_flops, unrolled = counted(cell, lambda: unroll(cell, xd))
+        unrolled_error = float((unrolled - lstm(xd)[0]).abs().max().detach())
         out.append({
             "seq_len": T,
             "block_seconds": timed(lambda: block(x).sum().backward(), repeats, device),
             "lstm_seconds": timed(lambda: lstm(x)[0].sum().backward(), repeats, device),
-            # Sequential steps: the block's matmuls cover all T positions at once; the LSTM
-            # must finish step t before step t + 1.
-            "block_sequential_steps": 1,
-            "lstm_sequential_steps": T,
-            "block_forward_flops": tokens * block_flops_per_token + 4 * batch_size * T * T * d,
-            "lstm_forward_flops": tokens * lstm_flops_per_token,
+            # Sequential steps, counted: calls of the module that processes the sequence.
+            "block_sequential_steps": block_steps,
+            "lstm_sequential_steps": lstm_steps,
+            # Forward FLOPs, counted by torch's FlopCounterMode (matmuls and attention).
+            "block_forward_flops": block_flops,
+            "lstm_forward_flops": lstm_flops,
+            "lstm_unrolled_max_error": unrolled_error,  # the unrolled cell is the same LSTM
         })
     return out
+
+
+def lstm_cell(lstm: torch.nn.LSTM) -> torch.nn.LSTMCell:
+    """A cell sharing the (one-layer) LSTM's weights."""
+    cell = torch.nn.LSTMCell(lstm.input_size, lstm.hidden_size).to(lstm.weight_ih_l0.device)
+    cell.weight_ih, cell.weight_hh = lstm.weight_ih_l0, lstm.weight_hh_l0
+    cell.bias_ih, cell.bias_hh = lstm.bias_ih_l0, lstm.bias_hh_l0
+    return cell
+
+
+def unroll(cell: torch.nn.LSTMCell, x: torch.Tensor) -> torch.Tensor:
+    """The LSTM over ``x`` (B, T, d), one step at a time: (B, T, d) hidden states."""
+    state, outs = None, []
+    for t in range(x.shape[1]):
+        state = cell(x[:, t], state)
+        outs.append(state[0])
+    return torch.stack(outs, dim=1)
+
+
+def counted(module: torch.nn.Module, fn: Any) -> tuple[int, int, Any]:
+    """(calls of ``module``, forward FLOPs, result) of running ``fn``."""
+    from torch.utils.flop_counter import FlopCounterMode  # noqa: PLC0415
+
+    calls = []
+    handle = module.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        with FlopCounterMode(display=False) as flops:
+            result = fn()
+    finally:
+        handle.remove()
+    return len(calls), flops.get_total_flops(), result
 
 
 def run(

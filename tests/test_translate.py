@@ -183,11 +183,24 @@ def test_eval_reference_length_mismatch_is_a_usage_error(tmp_path, capsys):
     assert "r.txt: 1 lines but" in capsys.readouterr().err
 
 
-def test_bf16_translation_runs_and_keeps_order(tmp_path):
+def test_bf16_translation_keeps_order_and_agrees_with_fp32(tmp_path):
+    """16 sources of lengths 1-11 (one blank), beam 2. Batched bf16 output, sorted by length
+    and restored, must match each sentence translated alone (a misordering would swap whole
+    lines: 16/16 agree here, >= 14 required), and fp32 (15/16 here: bf16 rounding can flip a
+    close beam choice; >= 12 required)."""
     _, model, tok = _random_ckpt(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 12, (16,), generator=g).tolist()
+    texts = ["".join("abcdefghij"[i] for i in torch.randint(10, (n,), generator=g).tolist()) for n in lengths]
+    texts[3] = ""
+    options = dict(beam_size=2, max_len_b=12)
+    fp32 = translate_texts(model, tok, texts, **options)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = translate_texts(model, tok, ["abc", "", "defg"], beam_size=2, max_len_b=5)
-    assert out[1] == "" and all(len(o) <= 5 for o in out)
+        batched = translate_texts(model, tok, texts, **options)
+        alone = [translate_texts(model, tok, [t], **options)[0] for t in texts]
+    assert batched[3] == "" and all(len(o) <= 12 for o in batched)
+    assert sum(a == b for a, b in zip(batched, alone)) >= 14
+    assert sum(a == b for a, b in zip(batched, fp32)) >= 12
 
 
 def test_translate_small_preset_trains_a_shared_vocabulary_translator(tmp_path):

@@ -98,7 +98,10 @@ def save_checkpoint(
         text = json.dumps({**config.to_dict(), "tokenizer": meta}, indent=2) + "\n"
         (tmp / CONFIG).write_text(text, encoding="utf-8")
         # save_model drops the duplicate names of tied tensors, which safetensors refuses.
-        safetensors.torch.save_model(unwrap(model), str(tmp / WEIGHTS))
+        try:
+            safetensors.torch.save_model(unwrap(model), str(tmp / WEIGHTS))
+        except safetensors.SafetensorError as e:  # a full disk surfaces here as a Rust I/O error
+            raise OSError(errno.EIO, f"cannot write the weights ({str(e).splitlines()[0]})", str(tmp / WEIGHTS)) from None
         tokenizer.save(tmp)
         if trainer_state is not None:
             torch.save(trainer_state, tmp / STATE)

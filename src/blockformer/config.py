@@ -29,6 +29,8 @@ FFN = Literal["relu", "gelu", "silu", "swiglu", "geglu"]
 Residual = Literal["plain", "scaled", "gated", "none"]
 ResidualTarget = Literal["branch", "trunk"]
 Position = Literal["none", "sinusoidal", "learned", "rope", "alibi", "relative"]
+GeluApprox = Literal["none", "tanh"]
+SinusoidLayout = Literal["interleaved", "split"]
 
 GATED_FFNS = ("swiglu", "geglu")
 ADDITIVE_POSITIONS = ("sinusoidal", "learned")  # added to the token embeddings
@@ -76,6 +78,18 @@ class TransformerConfig:
     tie_embeddings: bool = True
     scale_embeddings: bool | None = None  # x sqrt(d_model) as in the paper; None: iff sinusoidal
     init_std: float = 0.02
+    # ---- details of published families (GPT-2, BERT, T5, BART, Marian); any model may use them
+    gelu_approximate: GeluApprox = "none"  # "tanh": GELU's tanh approximation (GPT-2, T5 v1.1)
+    attention_scale: float | None = None  # scores times this; None = 1/sqrt(head_dim); T5: 1.0
+    rope_interleaved: bool = False  # rope rotates pairs (2i, 2i+1) (GPT-J, Meta's Llama) not (i, i+d/2)
+    sinusoid_layout: SinusoidLayout = "interleaved"  # "split": sines then cosines (Marian)
+    position_offset: int = 0  # "learned": position p reads row p + offset (BART: 2)
+    n_token_types: int = 0  # > 0: a segment-embedding table; type 0 is added everywhere (BERT)
+    embedding_norm: bool = False  # a norm after embeddings + positions (BERT, BART)
+    head_transform: bool = False  # dense + activation + norm before the output head (BERT MLM)
+    head_bias: bool = False  # a bias on the output head (BERT MLM, BART/Marian final_logits_bias)
+    output_scale: float = 1.0  # multiplies the final hidden states before the head (T5: d_model^-0.5)
+    pooler: bool = False  # encoder: dense + tanh on the first position, ``model.pool`` (BERT)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -106,6 +120,20 @@ class TransformerConfig:
         _require(self, "norm_eps", self.norm_eps > 0, "a float > 0")
         _require(self, "init_std", self.init_std > 0, "a float > 0")
         _require(self, "rope_base", self.rope_base > 1, "a float > 1")
+        if self.attention_scale is not None:
+            _require(self, "attention_scale", self.attention_scale > 0, "a float > 0 or None")
+        _require(self, "output_scale", self.output_scale > 0, "a float > 0")
+        _require(self, "n_token_types", self.n_token_types >= 0, "an integer >= 0")
+        _require(
+            self,
+            "position_offset",
+            self.position_offset >= 0 and (self.position_offset == 0 or self.position == "learned"),
+            "an integer >= 0, and 0 unless position='learned'",
+        )
+        _require(self, "pooler", not self.pooler or self.arch == "encoder", "False unless arch='encoder'")
+        _require(
+            self, "rope_interleaved", not self.rope_interleaved or self.position == "rope", "False unless position='rope'"
+        )
         _require(self, "relative_buckets", self.relative_buckets >= 2, "an integer >= 2")
         _require(
             self,

@@ -12,6 +12,7 @@ from ..nn.attention import Attention
 from ..nn.feedforward import FeedForward
 from ..nn.kv_cache import KVCache
 from ..nn.position import RelativeBias
+from .head_layers import HeadTransform
 
 
 class TransformerModel(nn.Module):
@@ -21,10 +22,20 @@ class TransformerModel(nn.Module):
     cfg: TransformerConfig
 
     def _make_head(self, embedding: nn.Embedding) -> nn.Linear:
-        head = nn.Linear(self.cfg.d_model, self.cfg.vocab_size, bias=False)
+        """The output projection; also sets ``head_transform`` (BERT's dense + act + norm)."""
+        self.head_transform = HeadTransform(self.cfg) if self.cfg.head_transform else None
+        head = nn.Linear(self.cfg.d_model, self.cfg.vocab_size, bias=self.cfg.head_bias)
         if self.cfg.tie_embeddings:
             head.weight = embedding.weight  # one matrix reads tokens in and writes them out
         return head
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (B, T, d_model) -> logits (B, T, vocab)."""
+        if self.head_transform is not None:
+            h = self.head_transform(h)
+        if self.cfg.output_scale != 1.0:
+            h = h * self.cfg.output_scale  # T5 with tied embeddings: d_model^-0.5
+        return self.head(h)
 
     @torch.no_grad()
     def _init_weights(self) -> None:

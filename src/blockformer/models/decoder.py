@@ -45,4 +45,4 @@ class DecoderModel(TransformerModel):
             check_positions(self.cfg, tokens, positions)
         positions = default_positions(tokens, cache_pos) if positions is None else positions
         h = self.decoder(self.embed(tokens, positions), positions, attention_mask, cache=cache, cache_pos=cache_pos)
-        return self.head(h)
+        return self._logits(h)

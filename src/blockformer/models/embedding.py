@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..config import ADDITIVE_POSITIONS, TransformerConfig
+from ..nn.norm import build_norm
 from ..nn.position import AbsolutePosition
 
 
@@ -17,6 +18,9 @@ class Embedding(nn.Module):
         self.tokens = nn.Embedding(vocab_size, cfg.d_model)
         self.scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         self.position = AbsolutePosition(cfg) if cfg.position in ADDITIVE_POSITIONS else None
+        # BERT's segment table: every position is segment 0 (single-sequence input).
+        self.token_types = nn.Embedding(cfg.n_token_types, cfg.d_model) if cfg.n_token_types else None
+        self.norm = build_norm(cfg) if cfg.embedding_norm else None  # BERT, BART
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -25,4 +29,8 @@ class Embedding(nn.Module):
             x = x * self.scale
         if self.position is not None:
             x = x + self.position(positions)
+        if self.token_types is not None:
+            x = x + self.token_types.weight[0]
+        if self.norm is not None:
+            x = self.norm(x)
         return self.dropout(x)

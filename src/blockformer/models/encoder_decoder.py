@@ -64,7 +64,7 @@ class EncoderDecoderModel(TransformerModel):
         h = self.decoder(
             self.tgt_embed(tgt, positions), positions, tgt_mask, memory, src_mask, cache=cache, cache_pos=cache_pos
         )
-        return self.head(h)
+        return self._logits(h)
 
     def forward(
         self,

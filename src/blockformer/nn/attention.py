@@ -41,6 +41,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.layer_idx, self.cross = layer_idx, cross
         self.dropout = cfg.attention_dropout
+        self.scale, self.rope_interleaved = cfg.attention_scale, cfg.rope_interleaved  # None: 1/sqrt(head_dim)
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         if cross:
             self.q = nn.Linear(cfg.d_model, q_dim, bias=cfg.bias)
@@ -63,10 +64,10 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
             q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
             if ctx.rope is not None:
-                q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
+                q, k = apply_rope(q, *ctx.rope, self.rope_interleaved), apply_rope(k, *ctx.rope, self.rope_interleaved)
             if ctx.cache is not None:
                 k, v = ctx.cache.update(self.layer_idx, ctx.cache_pos, k, v)  # (B, H_kv, S, hd)
-        y = _sdpa(q, k, v, ctx.mask, ctx.is_causal, self.dropout if self.training else 0.0)
+        y = _sdpa(q, k, v, ctx.mask, ctx.is_causal, self.dropout if self.training else 0.0, self.scale)
         return self.out(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def _cross_kv(self, ctx: AttnInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +81,7 @@ class Attention(nn.Module):
         return k, v
 
 
-def _sdpa(q, k, v, mask, is_causal: bool, dropout: float) -> torch.Tensor:
+def _sdpa(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None = None) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
@@ -88,6 +89,8 @@ def _sdpa(q, k, v, mask, is_causal: bool, dropout: float) -> torch.Tensor:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         groups = 1
     kwargs = {"enable_gqa": True} if groups > 1 else {}
+    if scale is not None:
+        kwargs["scale"] = scale
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, **kwargs
     )

@@ -17,6 +17,17 @@ ACTIVATIONS = {
 }
 
 
+def activation(cfg: TransformerConfig):
+    """The FFN's nonlinearity; ``gelu_approximate="tanh"`` selects GELU's tanh form (GPT-2)."""
+    if cfg.ffn in ("gelu", "geglu") and cfg.gelu_approximate == "tanh":
+        return _gelu_tanh
+    return ACTIVATIONS[cfg.ffn]
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 class FeedForward(nn.Module):
     """``down(act(up(x)))``, or for the gated variants ``down(act(gate(x)) * up(x))``.
 
@@ -26,7 +37,7 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.gated = cfg.ffn in GATED_FFNS
-        self.act = ACTIVATIONS[cfg.ffn]
+        self.act = activation(cfg)
         self.up = nn.Linear(cfg.d_model, cfg.d_ff * (2 if self.gated else 1), bias=cfg.bias)
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
 

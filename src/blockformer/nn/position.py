@@ -20,11 +20,18 @@ from torch import nn
 from ..config import TransformerConfig
 
 
-def sinusoidal_table(n_positions: int, dim: int) -> torch.Tensor:
-    """``PE[p, 2i] = sin(p / 10000^(2i/d))``, ``PE[p, 2i+1] = cos(...)``: (n_positions, dim)."""
+def sinusoidal_table(n_positions: int, dim: int, layout: str = "interleaved") -> torch.Tensor:
+    """``PE[p, 2i] = sin(p / 10000^(2i/d))``, ``PE[p, 2i+1] = cos(...)``: (n_positions, dim).
+
+    ``layout="split"`` puts all sines first and all cosines after them (Marian, XLM)."""
     position = torch.arange(n_positions, dtype=torch.float32)[:, None]
     inv_freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
     table = torch.zeros(n_positions, dim)
+    if layout == "split":
+        half = (dim + 1) // 2
+        table[:, :half] = torch.sin(position * inv_freq)
+        table[:, half:] = torch.cos(position * inv_freq[: dim // 2])
+        return table
     table[:, 0::2] = torch.sin(position * inv_freq)
     table[:, 1::2] = torch.cos(position * inv_freq[: dim // 2])
     return table
@@ -35,17 +42,17 @@ class AbsolutePosition(nn.Module):
 
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
+        self.offset = cfg.position_offset  # BART's table starts at row 2
         if cfg.position == "learned":
-            self.table = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+            self.table = nn.Embedding(cfg.max_seq_len + self.offset, cfg.d_model)
         else:
             # Not saved in checkpoints: it is a function of the config.
-            self.register_buffer(
-                "sinusoids", sinusoidal_table(cfg.max_seq_len, cfg.d_model), persistent=False
-            )
+            table = sinusoidal_table(cfg.max_seq_len, cfg.d_model, cfg.sinusoid_layout)
+            self.register_buffer("sinusoids", table, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "table"):
-            return self.table(positions)
+            return self.table(positions + self.offset if self.offset else positions)
         return self.sinusoids[positions]  # (B, T, d_model)
 
 
@@ -70,8 +77,13 @@ class Rotary(nn.Module):
         return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (x_i, x_{i+d/2}) pair of ``x`` (B, H, T, head_dim) by its angle."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate each (x_i, x_{i+d/2}) pair of ``x`` (B, H, T, head_dim) by its angle; with
+    ``interleaved``, each (x_{2i}, x_{2i+1}) pair (GPT-J; Meta's Llama checkpoints)."""
+    if interleaved:
+        x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        return rotated.type_as(x)
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.type_as(x)

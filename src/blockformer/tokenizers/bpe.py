@@ -89,6 +89,10 @@ class BPETokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._size
 
+    def source_ids(self) -> np.ndarray:
+        """``ids[i]``: the wrapped tokenizer's id of our id ``i`` (a permutation)."""
+        return np.arange(self._size) if self._to_hf is None else self._to_hf.copy()
+
     def _ours(self, ids: list[int]) -> list[int]:
         return ids if self._to_ours is None else self._to_ours[ids].tolist()
 

@@ -1,0 +1,218 @@
+"""Hugging Face directory <-> blockformer model, through a family's key map.
+
+Import: read ``config.json`` -> family (by ``model_type``) -> ``TransformerConfig`` ->
+build the model -> fill every parameter from its rule, checking names and shapes; a tensor
+that is missing, misshapen or has no place in the map is an error naming file and key.
+Export: the checkpoint's config -> the family whose signature it has (every other field
+checked against what the family can express) -> tensors by the same rules, reversed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import TransformerConfig
+from ..errors import UsageError
+from ..models import build_model
+from ..tokenizers.base import FILE_NAME, Tokenizer
+from ..tokenizers.bpe import BPETokenizer
+from .families import Family, family_for_config, family_for_model_type
+from .hf_dir import CONFIG, HFWeights, read_hf_config, write_hf_dir
+from .rules import Rule
+from .vocab import VocabMap, hf_special_ids, import_tokenizer
+
+
+@dataclass
+class Imported:
+    """A converted model (eval mode), its tokenizer (None when the source had no
+    ``tokenizer.json``: ids are then the source's own) and the Hugging Face family."""
+
+    model: nn.Module
+    tokenizer: BPETokenizer | None
+    config: TransformerConfig
+    family: str
+    vocab: VocabMap
+
+
+class _StateDict:
+    """An in-memory state dict read like a directory (``from_hf`` given a model object)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], prefix: str, outside: tuple[str, ...], where: str) -> None:
+        self.where = Path(where)
+        self._t = {(k if not prefix or k.startswith(prefix) or k.startswith(outside) else prefix + k): v
+                   for k, v in state.items()}
+
+    def names(self) -> set[str]:
+        return set(self._t)
+
+    def has(self, name: str) -> bool:
+        return name in self._t
+
+    def file_of(self, name: str) -> Path:
+        return self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._t:
+            raise UsageError(f"{self.where}: missing tensor {name!r}")
+        return self._t[name]
+
+
+def from_hf(source: str | Path | nn.Module, *, tokenizer: str | Path | None = None) -> Imported:
+    """A Hugging Face model directory (or model object) as a blockformer model.
+
+    ``tokenizer``: a ``tokenizer.json`` (or a directory with one) to use when the source has
+    none (Marian ships only sentencepiece files)."""
+    if isinstance(source, nn.Module):
+        hf_cfg = source.config.to_dict()
+        where = f"<{type(source).__name__}>"
+        family = family_for_model_type(hf_cfg.get("model_type"), where)
+        weights: Any = _StateDict(source.state_dict(), family.prefix, family.outside, where)
+        tok_dir = None
+    else:
+        directory = Path(source)
+        hf_cfg = read_hf_config(directory)
+        where = str(directory / CONFIG)
+        if "model_type" not in hf_cfg:
+            raise UsageError(f"{where}: no 'model_type'; expected a Hugging Face config.json naming its family")
+        family = family_for_model_type(hf_cfg["model_type"], where)
+        weights = HFWeights(directory, family.prefix, family.outside)
+        tok_dir = directory
+    cfg = family.config_from_hf(hf_cfg, weights.has, where)
+    found = None
+    if tokenizer is not None:
+        tok_path = Path(tokenizer)
+        found = import_tokenizer(tok_path if tok_path.is_dir() else tok_path.parent, cfg.vocab_size, tok_path)
+    elif tok_dir is not None:
+        found = import_tokenizer(tok_dir, cfg.vocab_size)
+    tok, vmap = found if found is not None else (None, VocabMap.identity(cfg.vocab_size))
+    cfg = dataclasses.replace(cfg, vocab_size=vmap.size)
+    model = build_model(cfg)
+    _load(model, family, weights, vmap)
+    return Imported(model=model.eval(), tokenizer=tok, config=cfg, family=family.name, vocab=vmap)
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every name of every parameter and persistent buffer, tied aliases included."""
+    out = dict(model.named_parameters(remove_duplicate=False))
+    out.update({k: v for k, v in model.state_dict(keep_vars=True).items() if k not in out})
+    return out
+
+
+def _get(weights, family: Family, name: str) -> tuple[str, torch.Tensor]:
+    for candidate in (name, *family.aliases.get(name, ()), *_old_norm_names(name)):
+        if weights.has(candidate):
+            return candidate, weights.get(candidate)
+    return name, weights.get(name)  # raises: missing tensor
+
+
+def _old_norm_names(name: str) -> tuple[str, ...]:
+    """TensorFlow-era BERT files name LayerNorm weights gamma and beta."""
+    if ".LayerNorm." in name:
+        return (name.replace(".weight", ".gamma").replace(".bias", ".beta"),)
+    return ()
+
+
+@torch.no_grad()
+def _load(model: nn.Module, family: Family, weights, vmap: VocabMap) -> None:
+    cfg: TransformerConfig = model.cfg
+    params = _params(model)
+    filled: set[int] = set()
+    used: set[str] = set()
+    for rule in family.rules(cfg):
+        param = params[rule.ours]
+        parts = []
+        for name, expected in zip(rule.theirs, _their_shapes(rule, param.shape, vmap, cfg)):
+            used_name, t = _get(weights, family, name)
+            used.add(used_name)
+            if tuple(t.shape) != expected:
+                raise UsageError(f"{weights.file_of(used_name)}: tensor {used_name!r} has shape {tuple(t.shape)}; "
+                                 f"expected {expected} from config.json")
+            parts.append(t.to(torch.float32))
+        value = rule.to_ours(parts, cfg.rope_interleaved)
+        param.copy_(vmap.to_ours(value) if rule.vocab else value)
+        filled.add(id(param))
+    missed = [n for n, p in params.items() if id(p) not in filled and p.dtype.is_floating_point and
+              n in dict(model.named_parameters())]
+    if missed:  # a key map that forgets a parameter is a bug here, not bad input
+        raise RuntimeError(f"the {family.name} key map fills no value for {missed[:3]}")
+    skip = [re.compile(p) for p in family.ignore(cfg)]
+    for name in sorted(weights.names() - used):
+        if not any(p.fullmatch(name) for p in skip):
+            raise UsageError(f"{weights.file_of(name)}: tensor {name!r} has no place in blockformer's "
+                             f"{family.name} model (a head or option it does not import)")
+
+
+def _their_shapes(rule: Rule, shape: torch.Size, vmap: VocabMap, cfg: TransformerConfig) -> list[tuple[int, ...]]:
+    if rule.vocab:
+        shape = torch.Size((vmap.n_theirs, *shape[1:]))
+    return [tuple(p.shape) for p in rule.to_theirs(torch.empty(shape, device="meta"), False)]
+
+
+# ---------------------------------------------------------------------- export
+def to_hf(
+    source: str | Path | nn.Module, out: str | Path, *, tokenizer: Tokenizer | None = None
+) -> Path:
+    """Write a blockformer checkpoint (or model, with its tokenizer) as a Hugging Face
+    directory: ``config.json``, ``model.safetensors`` and, for a ``tokenizers`` tokenizer,
+    ``tokenizer.json`` with a ``tokenizer_config.json``."""
+    if isinstance(source, nn.Module):
+        model = source
+    else:
+        from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
+
+        ckpt = load_checkpoint(source)
+        model, tokenizer = ckpt.model, ckpt.tokenizer
+    cfg: TransformerConfig = model.cfg
+    family = family_for_config(cfg)
+    family.check_exportable(cfg)
+    if cfg.n_kv_heads != cfg.n_heads and family.name != "llama":
+        raise UsageError(f"model.n_kv_heads={cfg.n_kv_heads} has no counterpart in Hugging Face {family.name}; "
+                         f"expected n_kv_heads = n_heads = {cfg.n_heads}")
+    vmap = VocabMap.identity(cfg.vocab_size)
+    if isinstance(tokenizer, BPETokenizer):
+        order = tokenizer.source_ids()
+        vmap = VocabMap(_extend(order, cfg.vocab_size), cfg.vocab_size)
+    tensors = _export_tensors(model, family, vmap)
+    tensors.update(family.extra(cfg))
+    ids = hf_special_ids(tokenizer, vmap) if tokenizer is not None else {r: i for i, r in enumerate(("pad", "bos", "eos", "unk"))}
+    out = Path(out)
+    write_hf_dir(out, family.config_to_hf(cfg, ids), tensors)
+    if isinstance(tokenizer, BPETokenizer):
+        (out / FILE_NAME).write_text(tokenizer.hf.to_str(pretty=True), encoding="utf-8")
+        names = {r: tokenizer.hf.id_to_token(i) for r, i in ids.items()}
+        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+                   **{f"{r}_token": n for r, n in names.items()}}
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def _extend(order, size: int):
+    import numpy as np  # noqa: PLC0415
+
+    return np.concatenate([order, np.arange(len(order), size)]) if len(order) < size else order
+
+
+@torch.no_grad()
+def _export_tensors(model: nn.Module, family: Family, vmap: VocabMap) -> dict[str, torch.Tensor]:
+    cfg: TransformerConfig = model.cfg
+    params = _params(model)
+    out: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}
+    for rule in family.rules(cfg):
+        t = params[rule.ours].detach().float().cpu()
+        if rule.vocab:
+            t = vmap.to_theirs(t)
+        for name, part in zip(rule.theirs, rule.to_theirs(t, cfg.rope_interleaved)):
+            if name in out and not torch.equal(out[name], part):
+                raise UsageError(f"model: {rule.ours} differs from {source[name]}; Hugging Face {family.name} "
+                                 f"keeps one tensor {name!r} for both")
+            out[name], source[name] = part, rule.ours
+    return out

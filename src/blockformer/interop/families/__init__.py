@@ -1,0 +1,134 @@
+"""The registry: one small module per Hugging Face family, keyed by ``model_type``.
+
+A family says how a Hugging Face ``config.json`` maps to a ``TransformerConfig`` and back,
+which blockformer configs it can express (``fixed``: field -> allowed values; anything
+else is refused, naming the field), and its key map (``rules``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ...config import TransformerConfig
+from ...errors import UsageError
+from ..rules import Rule
+
+HasTensor = Callable[[str], bool]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    signature: dict[str, Any]  # export: the fields that pick this family (arch, position, norm)
+    fixed: dict[str, tuple]  # export: field -> the values this family can express
+    config_from_hf: Callable[[dict, HasTensor, str], TransformerConfig]  # (hf config, has, where)
+    config_to_hf: Callable[[TransformerConfig, dict[str, int]], dict]  # (config, hf special ids)
+    rules: Callable[[TransformerConfig], list[Rule]]
+    prefix: str = ""  # the base model's prefix in the task-model layout (``transformer.``)
+    outside: tuple[str, ...] = ()  # names outside the prefix (heads)
+    ignore: Callable[[TransformerConfig], list[str]] = lambda cfg: []  # regexes import may skip
+    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> older spellings
+    extra: Callable[[TransformerConfig], dict] = lambda cfg: {}  # export: tensors HF needs that we lack
+
+    def check_exportable(self, cfg: TransformerConfig) -> None:
+        for name, allowed in self.fixed.items():
+            value = getattr(cfg, name)
+            if value not in allowed:
+                want = " or ".join(repr(a) for a in allowed)
+                raise UsageError(
+                    f"model.{name}={value!r} has no counterpart in Hugging Face {self.name}; expected {want}"
+                )
+
+
+# Fields no family expresses unless it says otherwise: the blockformer-only experiments.
+NEUTRAL: dict[str, tuple] = {
+    "residual": ("plain",),
+    "norm_bias": (True,),
+    "rope_interleaved": (False,),
+    "sinusoid_layout": ("interleaved",),
+    "position_offset": (0,),
+    "n_token_types": (0,),
+    "embedding_norm": (False,),
+    "head_transform": (False,),
+    "head_bias": (False,),
+    "output_scale": (1.0,),
+    "pooler": (False,),
+    "attention_scale": (None,),
+    "src_vocab_size": (None,),
+}
+
+
+def neutral(*free: str) -> dict[str, tuple]:
+    """``NEUTRAL`` without the fields a family expresses freely."""
+    return {k: v for k, v in NEUTRAL.items() if k not in free}
+
+
+def need(hf: dict, key: str, where: str) -> Any:
+    if key not in hf or hf[key] is None:
+        raise UsageError(f"{where}: missing {key!r}; expected it in a Hugging Face config.json")
+    return hf[key]
+
+
+def refuse(where: str, key: str, value: Any, why: str) -> UsageError:
+    return UsageError(f"{where}: {key}={value!r} is not supported ({why})")
+
+
+def equal_or_refuse(hf: dict, a: str, b: str, where: str) -> None:
+    if b in hf and hf.get(b) is not None and hf[b] != hf.get(a):
+        raise refuse(where, b, hf[b], f"blockformer uses one value for {a} and {b}")
+
+
+ACTIVATIONS = {  # Hugging Face activation name -> (ffn, gelu_approximate)
+    "gelu": ("gelu", "none"),
+    "gelu_new": ("gelu", "tanh"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "relu": ("relu", "none"),
+    "silu": ("silu", "none"),
+    "swish": ("silu", "none"),
+}
+
+
+def activation_from_hf(name: Any, key: str, where: str) -> tuple[str, str]:
+    if name not in ACTIVATIONS:
+        raise refuse(where, key, name, f"expected one of {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def activation_to_hf(cfg: TransformerConfig) -> str:
+    base = {"gelu": "gelu", "geglu": "gelu", "relu": "relu", "silu": "silu", "swiglu": "silu"}[cfg.ffn]
+    return "gelu_new" if base == "gelu" and cfg.gelu_approximate == "tanh" else base
+
+
+def _registry() -> dict[str, Family]:
+    from . import bart, bert, gpt2, llama, t5  # noqa: PLC0415
+
+    families = [gpt2.FAMILY, llama.FAMILY, bert.FAMILY, t5.FAMILY, bart.BART, bart.MARIAN]
+    return {t: f for f in families for t in f.model_types}
+
+
+def family_for_model_type(model_type: Any, where: str) -> Family:
+    registry = _registry()
+    if model_type not in registry:
+        raise UsageError(
+            f"{where}: model_type={model_type!r} is not supported; expected one of {', '.join(sorted(registry))}"
+        )
+    return registry[model_type]
+
+
+def family_for_config(cfg: TransformerConfig) -> Family:
+    """The family a blockformer config exports to, by its signature fields."""
+    seen: dict[str, Family] = {}
+    for fam in _registry().values():
+        seen[fam.name] = fam
+    for fam in seen.values():
+        if all(getattr(cfg, k) in v for k, v in fam.signature.items()):
+            return fam
+    shapes = "; ".join(
+        f"{f.name}: " + ", ".join(f"{k}={'|'.join(map(str, v))}" for k, v in f.signature.items()) for f in seen.values()
+    )
+    raise UsageError(
+        f"model: arch={cfg.arch!r}, position={cfg.position!r}, norm={cfg.norm!r}, norm_position="
+        f"{cfg.norm_position!r}, ffn={cfg.ffn!r} matches no Hugging Face family; expected one of: {shapes}"
+    )

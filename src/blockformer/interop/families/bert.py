@@ -1,0 +1,101 @@
+"""BERT (Devlin et al. 2019): a Post-Norm encoder with learned positions, token-type
+(segment) embeddings and a LayerNorm on the embeddings; optionally its masked-LM head
+(dense + GELU + LayerNorm, then the tied embedding plus a bias) and its pooler.
+
+Q, K and V are separate ``nn.Linear`` layers: fused on import, split on export. The head
+and the pooler are imported when the file has them (``BertForMaskedLM``, ``BertModel``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...config import TransformerConfig
+from ...errors import UsageError
+from ..rules import Rule, linear, norm
+from . import Family, neutral, activation_from_hf, activation_to_hf, need, refuse
+
+HEAD = "cls.predictions."
+
+
+def config_from_hf(hf: dict, has, where: str) -> TransformerConfig:
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise refuse(where, "position_embedding_type", hf["position_embedding_type"], "expected absolute")
+    if hf.get("is_decoder"):
+        raise refuse(where, "is_decoder", True, "blockformer imports BERT as an encoder")
+    ffn, approx = activation_from_hf(hf.get("hidden_act", "gelu"), "hidden_act", where)
+    return TransformerConfig(
+        arch="encoder", vocab_size=need(hf, "vocab_size", where), d_model=need(hf, "hidden_size", where),
+        n_layers=need(hf, "num_hidden_layers", where), n_heads=need(hf, "num_attention_heads", where),
+        d_ff=need(hf, "intermediate_size", where), max_seq_len=need(hf, "max_position_embeddings", where),
+        norm="layer", norm_eps=hf.get("layer_norm_eps", 1e-12), norm_position="post", ffn=ffn,
+        gelu_approximate=approx, position="learned", bias=True, tie_embeddings=True, scale_embeddings=False,
+        n_token_types=hf.get("type_vocab_size", 2), embedding_norm=True,
+        head_transform=has(HEAD + "transform.dense.weight"), head_bias=has(HEAD + "transform.dense.weight"),
+        pooler=has("bert.pooler.dense.weight"),
+    )
+
+
+def config_to_hf(cfg: TransformerConfig, ids: dict[str, int]) -> dict:
+    if cfg.head_bias != cfg.head_transform:
+        raise UsageError(f"model.head_bias={cfg.head_bias!r} has no counterpart in Hugging Face bert; "
+                         f"expected head_bias == head_transform (BERT's MLM head has both or neither)")
+    arch = "BertForMaskedLM" if cfg.head_transform else "BertModel"
+    return {
+        "model_type": "bert", "architectures": [arch], "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "intermediate_size": cfg.d_ff,
+        "hidden_act": activation_to_hf(cfg), "max_position_embeddings": cfg.max_seq_len,
+        "type_vocab_size": max(cfg.n_token_types, 1), "layer_norm_eps": cfg.norm_eps,
+        "position_embedding_type": "absolute", "hidden_dropout_prob": cfg.dropout,
+        "attention_probs_dropout_prob": cfg.attention_dropout, "pad_token_id": ids["pad"],
+        "tie_word_embeddings": True, "torch_dtype": "float32",
+    }
+
+
+def rules(cfg: TransformerConfig) -> list[Rule]:
+    p = "bert."
+    out = [Rule("embed.tokens.weight", (p + "embeddings.word_embeddings.weight",), vocab=True),
+           Rule("embed.position.table.weight", (p + "embeddings.position_embeddings.weight",))]
+    if cfg.n_token_types:
+        out.append(Rule("embed.token_types.weight", (p + "embeddings.token_type_embeddings.weight",)))
+    out += norm("embed.norm", p + "embeddings.LayerNorm", bias=True)
+    for i in range(cfg.n_layers):
+        b, t = f"encoder.blocks.{i}.", f"{p}encoder.layer.{i}."
+        qkv = tuple(t + f"attention.self.{n}" for n in ("query", "key", "value"))
+        out += linear(b + "attn.qkv", qkv, bias=True, sizes=(cfg.d_model,) * 3)
+        out += linear(b + "attn.out", t + "attention.output.dense", bias=True)
+        out += norm(b + "attn_norm", t + "attention.output.LayerNorm", bias=True)
+        out += linear(b + "ffn.up", t + "intermediate.dense", bias=True)
+        out += linear(b + "ffn.down", t + "output.dense", bias=True)
+        out += norm(b + "ffn_norm", t + "output.LayerNorm", bias=True)
+    if cfg.pooler:
+        out += linear("pooler.dense", p + "pooler.dense", bias=True)
+    if cfg.head_transform:
+        out += linear("head_transform.dense", HEAD + "transform.dense", bias=True)
+        out += norm("head_transform.norm", HEAD + "transform.LayerNorm", bias=True)
+        out.append(Rule("head.bias", (HEAD + "bias",), vocab=True))
+    return out
+
+
+def ignore(cfg: TransformerConfig) -> list[str]:
+    # position_ids: a buffer; the NSP head is not a blockformer task; the decoder is the tied embedding.
+    return [r".*position_ids$", r"cls\.seq_relationship\..*", r"cls\.predictions\.decoder\..*"]
+
+
+def extra(cfg: TransformerConfig) -> dict:
+    # BERT always adds a segment vector: with no token types, a zero row adds nothing.
+    if cfg.n_token_types:
+        return {}
+    return {"bert.embeddings.token_type_embeddings.weight": torch.zeros(1, cfg.d_model)}
+
+
+FAMILY = Family(
+    name="bert", model_types=("bert",),
+    signature={"arch": ("encoder",), "position": ("learned",)},
+    fixed={**neutral("n_token_types", "head_transform", "head_bias", "pooler"), "norm": ("layer",),
+           "norm_position": ("post",), "ffn": ("gelu", "relu", "silu"),
+           "bias": (True,), "scale_embeddings": (False,), "tie_embeddings": (True,), "embedding_norm": (True,)},
+    config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=rules,
+    prefix="bert.", outside=("cls.",), ignore=ignore, extra=extra,
+    aliases={},
+)

@@ -1,0 +1,88 @@
+"""Llama (Touvron et al. 2023) and Mistral without a sliding window: a Pre-Norm decoder
+with RMSNorm, rotary positions, SwiGLU and grouped-query attention.
+
+Hugging Face stores q/k projections in the rotate-half rope layout, blockformer's own, so
+importing copies them; a blockformer model with ``rope_interleaved`` has its q/k rows
+re-ordered on export (``rules.interleaved_to_half``). Q, K, V and gate/up are fused.
+"""
+
+from __future__ import annotations
+
+from ...config import TransformerConfig
+from ..rules import Rule, linear, norm
+from . import NEUTRAL, Family, need, refuse
+
+
+def _rope_theta(hf: dict, where: str) -> float:
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind != "default":
+        raise refuse(where, "rope_scaling", kind, "blockformer imports unscaled rope only")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def config_from_hf(hf: dict, has, where: str) -> TransformerConfig:
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise refuse(where, "hidden_act", hf["hidden_act"], "expected silu (SwiGLU)")
+    if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
+        raise refuse(where, "attention_bias", hf.get("attention_bias"), "blockformer's bias is one flag for attention and MLP")
+    d_model, n_heads = need(hf, "hidden_size", where), need(hf, "num_attention_heads", where)
+    if hf.get("head_dim") not in (None, d_model // n_heads):
+        raise refuse(where, "head_dim", hf["head_dim"], f"blockformer's head size is hidden_size / heads = {d_model // n_heads}")
+    window, max_len = hf.get("sliding_window"), need(hf, "max_position_embeddings", where)
+    if window is not None and hf.get("use_sliding_window", True) and window < max_len:
+        raise refuse(where, "sliding_window", window, "blockformer attends to the whole prefix")
+    return TransformerConfig(
+        arch="decoder", vocab_size=need(hf, "vocab_size", where), d_model=d_model,
+        n_layers=need(hf, "num_hidden_layers", where), n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_ff=need(hf, "intermediate_size", where),
+        max_seq_len=max_len, norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6), norm_position="pre",
+        ffn="swiglu", position="rope", rope_base=_rope_theta(hf, where), bias=bool(hf.get("attention_bias", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), scale_embeddings=False,
+    )
+
+
+def config_to_hf(cfg: TransformerConfig, ids: dict[str, int]) -> dict:
+    return {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+        "rope_theta": cfg.rope_base, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+        "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.attention_dropout,
+        "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": ids["bos"], "eos_token_id": ids["eos"],
+        "pad_token_id": ids["pad"], "torch_dtype": "float32",
+    }
+
+
+def rules(cfg: TransformerConfig) -> list[Rule]:
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    out = [Rule("embed.tokens.weight", ("model.embed_tokens.weight",), vocab=True)]
+    for i in range(cfg.n_layers):
+        b, t = f"decoder.blocks.{i}.", f"model.layers.{i}."
+        out += norm(b + "attn_norm", t + "input_layernorm", bias=False)
+        out += linear(b + "attn.qkv", tuple(t + f"self_attn.{n}_proj" for n in "qkv"), bias=cfg.bias,
+                      sizes=(q, kv, kv), rope=((0, cfg.n_heads), (1, cfg.n_kv_heads)))
+        out += linear(b + "attn.out", t + "self_attn.o_proj", bias=cfg.bias)
+        out += norm(b + "ffn_norm", t + "post_attention_layernorm", bias=False)
+        out += linear(b + "ffn.up", (t + "mlp.gate_proj", t + "mlp.up_proj"), bias=cfg.bias, sizes=(cfg.d_ff, cfg.d_ff))
+        out += linear(b + "ffn.down", t + "mlp.down_proj", bias=cfg.bias)
+    out += norm("decoder.final_norm", "model.norm", bias=False)
+    if not cfg.tie_embeddings:
+        out.append(Rule("head.weight", ("lm_head.weight",), vocab=True))
+    return out
+
+
+def ignore(cfg: TransformerConfig) -> list[str]:
+    return [r".*rotary_emb\.inv_freq$"] + (["lm_head.weight"] if cfg.tie_embeddings else [])
+
+
+FAMILY = Family(
+    name="llama", model_types=("llama", "mistral"),
+    signature={"arch": ("decoder",), "position": ("rope",)},
+    fixed={**NEUTRAL, "rope_interleaved": (False, True), "norm": ("rms",), "norm_position": ("pre",),
+           "ffn": ("swiglu",), "scale_embeddings": (False,)},
+    config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=rules,
+    prefix="model.", outside=("lm_head.",), ignore=ignore,
+)

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("evaluate", "evaluate a checkpoint: loss/perplexity, or BLEU/chrF against references"),
     "info": ("info", "parameters, FLOPs per token and memory for a checkpoint or preset"),
     "average": ("average", "average the weights of several checkpoints"),
+    "convert": ("convert", "import a Hugging Face checkpoint (--from-hf) or export one (--to-hf)"),
     "probe": ("probe", "run one of the seed's claims as an experiment (toy, equivariance, ...)"),
 }
 

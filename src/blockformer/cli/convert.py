@@ -1,0 +1,50 @@
+"""``blockformer convert``: Hugging Face checkpoints in and out.
+
+    blockformer convert --from-hf path/to/hf-model --out runs/imported
+    blockformer convert --to-hf runs/imported --out path/to/hf-export
+
+Import writes an ordinary blockformer checkpoint (``generate``, ``translate``, ``eval``
+read it); export writes ``config.json`` + ``model.safetensors`` (+ the tokenizer) that
+``transformers.AutoModelFor...from_pretrained`` loads. Families: GPT-2, Llama/Mistral,
+BERT, T5, BART, Marian (see the README's table).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = "e.g. blockformer convert --from-hf ./all-MiniLM-L6-v2 --out runs/minilm"
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--from-hf", metavar="DIR", help="a Hugging Face model directory (config.json + weights)")
+    group.add_argument("--to-hf", metavar="CKPT", help="a blockformer checkpoint or run directory")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    parser.add_argument("--tokenizer", metavar="FILE",
+                        help="--from-hf: a tokenizer.json to use when DIR has none (Marian ships only sentencepiece)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..interop import from_hf, to_hf  # noqa: PLC0415
+
+    if args.to_hf is not None:
+        if args.tokenizer:
+            raise UsageError("--tokenizer: only with --from-hf; --to-hf writes the checkpoint's own tokenizer")
+        out = to_hf(args.to_hf, args.out)
+        print(f"wrote a Hugging Face model -> {out}")
+        return 0
+    from ..run_config import RunConfig  # noqa: PLC0415
+    from ..train.checkpoint import save_checkpoint  # noqa: PLC0415
+
+    imported = from_hf(args.from_hf, tokenizer=args.tokenizer)
+    if imported.tokenizer is None:
+        raise UsageError(
+            f"{args.from_hf}: no tokenizer.json; a blockformer checkpoint needs one: pass --tokenizer FILE "
+            "(for Marian, a tokenizer.json made from its sentencepiece files, e.g. by `tokenizers`)"
+        )
+    out = save_checkpoint(args.out, imported.model, imported.tokenizer, RunConfig(model=imported.config))
+    n = sum(p.numel() for p in imported.model.parameters())
+    print(f"imported {imported.family} ({imported.config.arch}, {n / 1e6:.2f}M parameters) -> {out}")
+    return 0

@@ -185,3 +185,13 @@ def test_bad_kinds_and_sizes_raise_usage_error():
         train_tokenizer("bpe", ["x"], vocab_size=100)
     with pytest.raises(UsageError, match="tokenizer.vocab_size: 300 for a byte tokenizer"):
         train_tokenizer("byte", ["x"], vocab_size=300)
+
+
+def test_a_tokenizer_json_that_pads_and_truncates_encodes_only_the_text(tmp_path):
+    # all-MiniLM-L6-v2's tokenizer.json pads every text to 128 ids; blockformer batches itself.
+    hf = HFTokenizer(models.WordLevel({"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "a": 4}, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.enable_padding(length=16, pad_id=0)
+    hf.enable_truncation(max_length=3)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    assert load_tokenizer(tmp_path).encode("a a a a a") == [4] * 5

@@ -59,6 +59,9 @@ class _StateDict:
     def file_of(self, name: str) -> Path:
         return self.where
 
+    def name_in_file(self, name: str) -> str:
+        return name
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self._t:
             raise UsageError(f"{self.where}: missing tensor {name!r}")
@@ -133,7 +136,7 @@ def _load(model: nn.Module, family: Family, weights, vmap: VocabMap) -> None:
             used_name, t = _get(weights, family, name)
             used.add(used_name)
             if tuple(t.shape) != expected:
-                raise UsageError(f"{weights.file_of(used_name)}: tensor {used_name!r} has shape {tuple(t.shape)}; "
+                raise UsageError(f"{weights.file_of(used_name)}: tensor {weights.name_in_file(used_name)!r} has shape {tuple(t.shape)}; "
                                  f"expected {expected} from config.json")
             parts.append(t.to(torch.float32))
         value = rule.to_ours(parts, cfg.rope_interleaved)
@@ -146,7 +149,7 @@ def _load(model: nn.Module, family: Family, weights, vmap: VocabMap) -> None:
     skip = [re.compile(p) for p in family.ignore(cfg)]
     for name in sorted(weights.names() - used):
         if not any(p.fullmatch(name) for p in skip):
-            raise UsageError(f"{weights.file_of(name)}: tensor {name!r} has no place in blockformer's "
+            raise UsageError(f"{weights.file_of(name)}: tensor {weights.name_in_file(name)!r} has no place in blockformer's "
                              f"{family.name} model (a head or option it does not import)")
 
 

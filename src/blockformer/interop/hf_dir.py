@@ -97,6 +97,10 @@ class HFWeights:
     def file_of(self, name: str) -> Path:
         return self._where[name][0] if name in self._where else self._default_file()
 
+    def name_in_file(self, name: str) -> str:
+        """The tensor's own name in its file (without the prefix added for the key map)."""
+        return self._where[name][1] if name in self._where else name
+
     def _default_file(self) -> Path:
         return next(iter(self._where.values()))[0] if self._where else self.directory
 

@@ -51,6 +51,8 @@ class BPETokenizer(Tokenizer):
 
     def __init__(self, hf: HFTokenizer, source: str = "tokenizer"):
         hf.encode_special_tokens = True  # the text "</s>" is text: encode() never emits a special
+        hf.no_padding()  # a tokenizer.json may pad every text to a fixed length (all-MiniLM-L6-v2: 128)
+        hf.no_truncation()  # and cut it: batching and length limits are blockformer's
         self.hf = hf
         self._specials = _find_specials(hf, source)
         size = max(hf.get_vocab(with_added_tokens=True).values()) + 1

@@ -5,6 +5,7 @@ from .config import TransformerConfig
 from .nn import Block, KVCache
 from .models import build_model, DecoderModel, EncoderModel, EncoderDecoderModel
 from .stats import count_parameters, flops_per_token, memory_estimate
+from .interop import from_hf, to_hf
 
 __version__ = "0.1.0"
 
@@ -19,4 +20,6 @@ __all__ = [
     "count_parameters",
     "flops_per_token",
     "memory_estimate",
+    "from_hf",
+    "to_hf",
 ]

@@ -232,3 +232,39 @@ def test_encoder_decoder_export_loads_in_transformers_with_equal_logits(name, tm
         want = hf(input_ids=src, attention_mask=src_mask.long(), decoder_input_ids=tgt).logits
         got = back(input_ids=src, attention_mask=src_mask.long(), decoder_input_ids=tgt).logits
     assert (want - got).abs().max() <= ATOL
+
+
+def test_missing_special_roles_are_added_and_a_short_tokenizer_is_padded(tmp_path):
+    """GPT-2's tokenizer has only <|endoftext|>: pad, bos and unk become new tokens with new
+    rows. A tokenizer shorter than the embedding (T5's) is padded to it first."""
+    hf = _randomize(DECODERS["gpt2"]())
+    directory = save_hf(hf, tmp_path / "in")
+    vocab = {f"w{i}": i for i in range(V - 6)} | {"<|endoftext|>": V - 6}  # 5 rows without a token
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(directory / "tokenizer.json"))
+    imported = from_hf(directory)
+    t = imported.tokenizer
+    assert imported.config.vocab_size == V + 3 and t.vocab_size == V + 3
+    assert [t.hf.id_to_token(int(imported.vocab.order[i])) for i in (t.pad_id, t.bos_id, t.eos_id, t.unk_id)] == \
+        ["<pad>", "<s>", "<|endoftext|>", "<unk>"]
+    ids, mask = random_batch(8, low=0)
+    ids = ids.clamp(max=V - 6)
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = theirs_logits(imported, imported.model(ours(imported, ids)))
+    assert (want - got[..., :V]).abs().max() <= ATOL
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        to_hf(imported.model, tmp_path / "out", tokenizer=imported.tokenizer)).eval()
+    with torch.no_grad():
+        assert (back(ids).logits - got).abs().max() <= ATOL
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").pad_token == "<pad>"
+
+
+def test_from_hf_takes_a_model_object_and_keeps_its_ids():
+    hf = _randomize(DECODERS["llama-gqa"]())
+    imported = from_hf(hf)
+    assert imported.tokenizer is None and imported.family == "llama"
+    ids = torch.randint(0, V, (2, 8))
+    with torch.no_grad():
+        assert (hf(ids).logits - imported.model(ids)).abs().max() <= ATOL

@@ -37,7 +37,6 @@ def embed(imported, sentences: list[str]) -> torch.Tensor:
     return F.normalize(mean, dim=-1)
 
 
-@pytest.mark.slow
 def test_minilm_sentence_embeddings_and_ranking_match_sentence_transformers():
     path = minilm.get_model_path()
     imported = from_hf(path)
@@ -53,7 +52,6 @@ def test_minilm_sentence_embeddings_and_ranking_match_sentence_transformers():
     assert ranking[:2] in ([(0, 1), (2, 3)], [(2, 3), (0, 1)])  # the paraphrases rank first
 
 
-@pytest.mark.slow
 def test_minilm_hidden_states_match_transformers_on_a_padded_batch():
     import transformers
 

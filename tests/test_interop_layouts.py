@@ -221,3 +221,24 @@ def test_cli_round_trip_gives_a_checkpoint_generate_reads_and_an_export_transfor
     ids = torch.randint(0, V, (2, 7))
     with torch.no_grad():
         assert (hf(ids).logits - back(ids).logits).abs().max() <= 1e-5
+
+
+def test_pytorch_bin_and_sharded_safetensors_read_like_one_file(gpt2_dir, tmp_path):
+    want = from_hf(gpt2_dir).model.state_dict()
+    tensors = load_file(gpt2_dir / "model.safetensors")
+    binary = tmp_path / "bin"
+    binary.mkdir()
+    (binary / "config.json").write_text((gpt2_dir / "config.json").read_text())
+    torch.save(tensors, binary / "pytorch_model.bin")
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text((gpt2_dir / "config.json").read_text())
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[::2], names[1::2])):
+        save_file({n: tensors[n] for n in part}, sharded / f"model-0000{i + 1}-of-00002.safetensors")
+        weight_map.update({n: f"model-0000{i + 1}-of-00002.safetensors" for n in part})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for directory in (binary, sharded):
+        got = from_hf(directory).model.state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)

@@ -35,7 +35,9 @@ def run(args: argparse.Namespace) -> int:
         out = to_hf(args.to_hf, args.out)
         print(f"wrote a Hugging Face model -> {out}")
         return 0
-    from ..run_config import RunConfig  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from ..run_config import DataConfig, RunConfig  # noqa: PLC0415
     from ..train.checkpoint import save_checkpoint  # noqa: PLC0415
 
     imported = from_hf(args.from_hf, tokenizer=args.tokenizer)
@@ -44,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
             f"{args.from_hf}: no tokenizer.json; a blockformer checkpoint needs one: pass --tokenizer FILE "
             "(for Marian, a tokenizer.json made from its sentencepiece files, e.g. by `tokenizers`)"
         )
-    out = save_checkpoint(args.out, imported.model, imported.tokenizer, RunConfig(model=imported.config))
+    # Training or evaluating from this checkpoint uses its tokenizer and fits its position table.
+    data = DataConfig(tokenizer=str(Path(args.out).resolve()), seq_len=min(DataConfig.seq_len, imported.config.max_seq_len))
+    out = save_checkpoint(args.out, imported.model, imported.tokenizer, RunConfig(model=imported.config, data=data))
     n = sum(p.numel() for p in imported.model.parameters())
     print(f"imported {imported.family} ({imported.config.arch}, {n / 1e6:.2f}M parameters) -> {out}")
     return 0

@@ -215,6 +215,9 @@ def test_cli_round_trip_gives_a_checkpoint_generate_reads_and_an_export_transfor
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "w5 w6", "--max-new-tokens", "4",
                  "--temperature", "0"]) == 0
     assert capsys.readouterr().out.count("w") >= 3
+    (tmp_path / "text.txt").write_text(" ".join(f"w{i % 30 + 4}" for i in range(400)))
+    assert main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--data", str(tmp_path / "text.txt"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val_loss"] > 0
     assert main(["convert", "--to-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(gpt2_dir).eval()
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -242,3 +245,20 @@ def test_pytorch_bin_and_sharded_safetensors_read_like_one_file(gpt2_dir, tmp_pa
     for directory in (binary, sharded):
         got = from_hf(directory).model.state_dict()
         assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_directory_without_tokenizer_json_needs_tokenizer_on_the_command_line(tmp_path, capsys):
+    hf = transformers.MarianMTModel(transformers.MarianConfig(
+        vocab_size=V, decoder_vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, pad_token_id=3))
+    hf.save_pretrained(tmp_path / "marian")
+    capsys.readouterr()  # transformers' progress bar
+    err = _cli_error(capsys, "--from-hf", tmp_path / "marian", "--out", tmp_path / "out")
+    assert "marian: no tokenizer.json" in err and "--tokenizer" in err
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"w{i}": i for i in range(4, V)} | {"<unk>": 0, "</s>": 1, "<s>": 2, "<pad>": 3}
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(tmp_path / "tok.json"))
+    assert main(["convert", "--from-hf", str(tmp_path / "marian"), "--out", str(tmp_path / "out"),
+                 "--tokenizer", str(tmp_path / "tok.json")]) == 0
+    assert (tmp_path / "out" / "tokenizer.json").is_file()

@@ -28,6 +28,8 @@ NATIVE = {  # blockformer configs and the transformers class that loads their ex
                                     n_kv_heads=2, tie_embeddings=False, rope_interleaved=True), "AutoModelForCausalLM"),
     "bert": (dict(arch="encoder", position="learned", norm_position="post", embedding_norm=True,
                   head_transform=True, head_bias=True, n_token_types=2, norm_eps=1e-12), "AutoModelForMaskedLM"),
+    "bert-plain": (dict(arch="encoder", position="learned", norm_position="post", embedding_norm=True),
+                   "AutoModel"),
     "t5": (dict(arch="encoder-decoder", position="relative", norm="rms", ffn="geglu", gelu_approximate="tanh",
                 bias=False, attention_scale=1.0, relative_buckets=8, relative_max_distance=20,
                 n_decoder_layers=3), "AutoModelForSeq2SeqLM"),
@@ -61,8 +63,12 @@ def test_native_blockformer_models_export_with_equal_logits(name, tmp_path):
             got = hf(input_ids=ids, attention_mask=mask.long(), decoder_input_ids=tgt).logits
             assert (want - got).abs().max() <= 1e-4
             return
-        want = model(ids, attention_mask=mask)
-        got = hf(ids, attention_mask=mask.long()).logits
+        if model.cfg.arch == "encoder" and not model.cfg.head_transform:  # BertModel: hidden states
+            want = model.hidden_states(ids, attention_mask=mask)
+            got = hf(ids, attention_mask=mask.long()).last_hidden_state
+        else:
+            want = model(ids, attention_mask=mask)
+            got = hf(ids, attention_mask=mask.long()).logits
     assert (want - got)[mask].abs().max() <= 1e-4
     assert type(hf).__name__.lower().startswith(name.split("-")[0])
 

@@ -142,8 +142,7 @@ def _load(model: nn.Module, family: Family, weights, vmap: VocabMap) -> None:
         value = rule.to_ours(parts, cfg.rope_interleaved)
         param.copy_(vmap.to_ours(value) if rule.vocab else value)
         filled.add(id(param))
-    missed = [n for n, p in params.items() if id(p) not in filled and p.dtype.is_floating_point and
-              n in dict(model.named_parameters())]
+    missed = [n for n, p in model.named_parameters() if id(p) not in filled]
     if missed:  # a key map that forgets a parameter is a bug here, not bad input
         raise RuntimeError(f"the {family.name} key map fills no value for {missed[:3]}")
     skip = [re.compile(p) for p in family.ignore(cfg)]

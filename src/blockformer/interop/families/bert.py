@@ -97,5 +97,4 @@ FAMILY = Family(
            "bias": (True,), "scale_embeddings": (False,), "tie_embeddings": (True,), "embedding_norm": (True,)},
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=rules,
     prefix="bert.", outside=("cls.",), ignore=ignore, extra=extra,
-    aliases={},
 )

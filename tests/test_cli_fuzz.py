@@ -111,6 +111,15 @@ CASES = [
     ["average", "--checkpoints", "{dec}", "--output", "{dec}"],
     ["average", "--checkpoints", "{dec}", "{ed}", "--output", "{dir}/avg"],
     ["average", "--checkpoints", "{dec}", "--output", "{used_run}"],
+    # convert
+    ["convert", "--out", "{dir}/hf"],
+    ["convert", "--from-hf", "{dec}", "--to-hf", "{dec}", "--out", "{dir}/hf"],
+    ["convert", "--from-hf", "{missing}", "--out", "{dir}/ckpt"],
+    ["convert", "--from-hf", "{bad_json}", "--out", "{dir}/ckpt"],
+    ["convert", "--from-hf", "{dec}", "--out", "{dir}/ckpt"],
+    ["convert", "--to-hf", "{missing}", "--out", "{dir}/hf"],
+    ["convert", "--to-hf", "{dec}", "--out", "{dir}/hf"],
+    ["convert", "--to-hf", "{dec}", "--out", "{dir}/hf", "--tokenizer", "{file}"],
     # probes
     ["probe"],
     ["probe", "nope"],

@@ -76,6 +76,20 @@ def test_a_second_writer_is_refused_while_the_first_lives(tmp_path):
     assert not (run / LOCK).exists()  # released on exit
 
 
+def test_only_rank_0_of_a_distributed_run_takes_the_lock(tmp_path, monkeypatch):
+    import socket
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))  # rank 0's
+    monkeypatch.setenv("RANK", "1")
+    assert train(tiny_task("train.steps=1", "train.eval_every=0"), run, **QUIET).step == 1
+    assert json.loads((run / LOCK).read_text())["pid"] == os.getppid()  # left to its owner
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(UsageError, match="another training is writing there"):
+        train(tiny_task("train.steps=1", "train.eval_every=0"), run, **QUIET)
+
+
 def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
     import socket
 

@@ -43,7 +43,7 @@ from .checkpoint import (
 from .metrics import MetricsLog, perplexity, plot_losses
 from .optim import build_optimizer
 from .precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
-from .run_dir import RunLock, clear_previous_run, prepare
+from .run_dir import RunLock, clear_previous_run, main_process, prepare
 from .schedule import build_scheduler
 from .setup import Objective, build_run
 
@@ -81,6 +81,8 @@ def train(
     as if interrupted. A fresh run into a directory holding an earlier run raises
     UsageError unless ``overwrite``; another process training there raises UsageError."""
     run_dir = Path(run_dir)
+    if not main_process():  # data-parallel ranks > 0: rank 0 owns (locks, checks) the directory
+        return _train(cfg, run_dir, resume=resume, stop_at=stop_at, log=log, overwrite=False)
     with RunLock(run_dir):
         cleaned = prepare(run_dir, fresh=resume is None, overwrite=overwrite)
         if cleaned:

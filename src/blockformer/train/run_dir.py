@@ -18,6 +18,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..errors import UsageError
 from ..paths import check_writable_dir
 from .checkpoint import BEST, TMP_TAG, TRASH_TAG, discard, recover, step_checkpoints
@@ -121,6 +123,13 @@ def _unlink(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+
+
+def main_process() -> bool:
+    """Rank 0 of a distributed run (or a single process): the one that owns the directory."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def leftovers(run_dir: Path) -> list[Path]:

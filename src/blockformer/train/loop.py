@@ -15,6 +15,7 @@ disk are kept) or, with ``train.nonfinite="skip"``, skips that step's update.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import signal
 import threading
@@ -172,19 +173,20 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
                 result.skipped += 1
                 if result.skipped in (1, 10, 100) or result.skipped % 1000 == 0:
                     log(f"step {step + 1}: non-finite loss, update skipped ({result.skipped} so far)")
-            else:
-                pending.append(loss)
+                loss = torch.full((), float("nan"), device=device)  # one loss per step, as always
+            pending.append(loss)
             scheduler.step()
             step += 1
             tokens_seen += sum(objective.count_tokens(b) for b in batches)
             if bar is not None:
                 bar.update(1)
             if step % tc.log_every == 0 or step == last_stop:
-                losses = torch.stack(pending).tolist() if pending else [float("nan")]
+                losses = torch.stack(pending).tolist()
                 pending.clear()
                 result.losses.extend(losses)
                 tok_s = tokens_seen / max(time.perf_counter() - t0, 1e-9)
-                loss = sum(losses) / len(losses)  # the mean since the last log
+                finite = [x for x in losses if math.isfinite(x)]  # skipped steps (train.nonfinite=skip) are nan
+                loss = sum(finite) / len(finite) if finite else float("nan")  # the mean since the last log
                 metrics.write({"split": "train", "step": step, "loss": loss, "lr": lr, "tokens_per_s": tok_s})
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")

@@ -261,6 +261,8 @@ def test_a_directory_without_tokenizer_json_needs_tokenizer_on_the_command_line(
     capsys.readouterr()  # transformers' progress bar
     err = _cli_error(capsys, "--from-hf", tmp_path / "marian", "--out", tmp_path / "out")
     assert "marian: no tokenizer.json" in err and "--tokenizer" in err
+    err = _cli_error(capsys, "--from-hf", tmp_path / "marian", "--out", tmp_path / "out", "--tokenizer", tmp_path / "no.json")
+    assert "no.json: tokenizer not found" in err
     from tokenizers import Tokenizer, models
 
     vocab = {f"w{i}": i for i in range(4, V)} | {"<unk>": 0, "</s>": 1, "<s>": 2, "<pad>": 3}

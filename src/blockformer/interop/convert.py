@@ -93,6 +93,8 @@ def from_hf(source: str | Path | nn.Module, *, tokenizer: str | Path | None = No
     if tokenizer is not None:
         tok_path = Path(tokenizer)
         found = import_tokenizer(tok_path if tok_path.is_dir() else tok_path.parent, cfg.vocab_size, tok_path)
+        if found is None:
+            raise UsageError(f"{tok_path}: tokenizer not found; expected a tokenizer.json or a directory with one")
     elif tok_dir is not None:
         found = import_tokenizer(tok_dir, cfg.vocab_size)
     tok, vmap = found if found is not None else (None, VocabMap.identity(cfg.vocab_size))

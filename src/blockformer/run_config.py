@@ -27,6 +27,11 @@ Schedule = Literal["noam", "cosine", "constant"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 Device = Literal["auto", "cpu", "cuda"]
 NonFinite = Literal["stop", "skip"]
+Objective = Literal["auto", "lm", "mlm"]
+Freeze = Literal["none", "embeddings", "body"]
+HeadTask = Literal["none", "classify", "multilabel", "tokens", "regress"]
+Pooling = Literal["auto", "cls", "mean", "last"]
+LORA_TARGETS = ("qkv", "out", "up", "gate", "down")
 
 
 @dataclass
@@ -51,6 +56,9 @@ class DataConfig:
     seq_len: int = 128  # language modelling window
     val_fraction: float = 0.1
     cache_dir: str = ""  # token-file cache; "" = ~/.cache/blockformer
+    # --- labelled data for a task head (see [head])
+    labels: str = ""  # text<TAB>label lines, or JSONL with "text" and "label"
+    val_labels: str = ""  # its held-out file; by default val_fraction of `labels` is held out
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -63,11 +71,14 @@ class DataConfig:
             raise UsageError("data.src/data.tgt: expected both files of the aligned pair, or neither")
 
     @property
-    def kind(self) -> Literal["task", "pairs", "text"]:
-        """Which objective the data asks for: synthetic task, aligned pairs or plain text."""
+    def kind(self) -> Literal["task", "pairs", "labelled", "text"]:
+        """Which objective the data asks for: synthetic task, aligned pairs, labelled
+        examples (a task head) or plain text."""
         if self.task:
             return "task"
-        return "pairs" if self.src else "text"
+        if self.src:
+            return "pairs"
+        return "labelled" if self.labels else "text"
 
 
 @dataclass
@@ -106,9 +117,27 @@ class TrainConfig:
     sample_prompts: list[str] = field(default_factory=lambda: [""])  # cycled over the samples
     # --- reliability (issue 9)
     nonfinite: NonFinite = "stop"  # a NaN/inf loss: "stop" the run (exit 3) or "skip" that step's update
+    # --- objective, and fine-tuning from a checkpoint
+    objective: Objective = "auto"  # auto: the data decides (text: lm, or mlm for an encoder)
+    mask_rate: float = 0.15  # mlm: share of positions selected (Devlin et al. 2019)
+    mask_token_rate: float = 0.8  # of the selected: replaced by the mask token
+    random_token_rate: float = 0.1  # of the selected: replaced by a random token (the rest kept)
+    init_from: str = ""  # a checkpoint whose body (and head, where it fits) starts this run
+    freeze: Freeze = "none"  # embeddings | body (everything but the task head)
+    layer_lr_decay: float = 1.0  # lr x decay^depth-from-the-top per block (Clark et al. 2020)
+    head_lr: float = 0.0  # the task head's peak lr; 0 = train.lr
 
     def __post_init__(self) -> None:
         _check_types(self)
+        for name in ("mask_rate", "mask_token_rate", "random_token_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise UsageError(f"train.{name}={getattr(self, name)!r}: expected a float in [0, 1]")
+        if self.mask_token_rate + self.random_token_rate > 1.0:
+            raise UsageError("train.mask_token_rate + train.random_token_rate: expected a sum <= 1")
+        if not 0.0 < self.layer_lr_decay <= 1.0:
+            raise UsageError(f"train.layer_lr_decay={self.layer_lr_decay!r}: expected a float in (0, 1]")
+        if self.head_lr < 0:
+            raise UsageError(f"train.head_lr={self.head_lr!r}: expected a float >= 0 (0 = train.lr)")
         prompts = self.sample_prompts
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise UsageError(f"train.sample_prompts={self.sample_prompts!r}: expected a list of strings")
@@ -135,7 +164,54 @@ def _positive(obj: Any, *names: str) -> None:
             raise UsageError(f"{section}.{name}={getattr(obj, name)!r}: expected an integer >= 1")
 
 
-SECTION_OF = {"DataConfig": "data", "TrainConfig": "train", "TransformerConfig": "model"}
+@dataclass
+class HeadConfig:
+    """A task head on the model's last hidden states (none: the model's own LM/MLM head).
+
+    ``classify``: one label per text (cross-entropy); ``multilabel``: any subset of the
+    labels (sigmoid + binary cross-entropy); ``tokens``: one label per word; ``regress``: one
+    number per text (mean squared error). ``labels`` is filled in from the training data."""
+
+    task: HeadTask = "none"
+    pooling: Pooling = "auto"  # auto: cls for encoders, last for decoders
+    dropout: float = 0.1
+    class_weights: str = ""  # "balanced" (inverse frequency) or "label=weight,label=weight"
+    labels: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if not 0.0 <= self.dropout < 1.0:
+            raise UsageError(f"head.dropout={self.dropout!r}: expected a float in [0, 1)")
+        if not isinstance(self.labels, list) or not all(isinstance(x, str) for x in self.labels):
+            raise UsageError(f"head.labels={self.labels!r}: expected a list of strings")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (Hu et al. 2021): ``W x + (alpha / r) B A x`` on the chosen
+    projections, ``B = 0`` at the start; only adapters (and a task head) train."""
+
+    rank: int = 0  # 0 = no adapters
+    alpha: float = 16.0
+    rslora: bool = False  # scale alpha / sqrt(r) instead of alpha / r (Kalajdzievski 2023)
+    dropout: float = 0.0  # on the adapter's input
+    targets: list[str] = field(default_factory=lambda: ["qkv", "out"])  # qkv, out, up, gate, down
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if self.rank < 0:
+            raise UsageError(f"lora.rank={self.rank!r}: expected an integer >= 0 (0 = off)")
+        if self.alpha <= 0:
+            raise UsageError(f"lora.alpha={self.alpha!r}: expected a float > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UsageError(f"lora.dropout={self.dropout!r}: expected a float in [0, 1)")
+        bad = [t for t in self.targets if t not in LORA_TARGETS] if isinstance(self.targets, list) else [self.targets]
+        if bad or not self.targets:
+            raise UsageError(f"lora.targets={self.targets!r}: expected a non-empty list of {', '.join(LORA_TARGETS)}")
+
+
+SECTION_OF = {"DataConfig": "data", "TrainConfig": "train", "TransformerConfig": "model",
+              "HeadConfig": "head", "LoraConfig": "lora"}
 
 
 @dataclass
@@ -143,6 +219,8 @@ class RunConfig:
     model: TransformerConfig = field(default_factory=TransformerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -154,6 +232,8 @@ class RunConfig:
             model=TransformerConfig(**data.get("model", {})),
             data=DataConfig(**data.get("data", {})),
             train=TrainConfig(**data.get("train", {})),
+            head=HeadConfig(**data.get("head", {})),
+            lora=LoraConfig(**data.get("lora", {})),
         )
 
     def to_toml(self, path: str | Path | None = None) -> str:
@@ -166,7 +246,8 @@ class RunConfig:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
 
-SECTIONS: dict[str, type] = {"model": TransformerConfig, "data": DataConfig, "train": TrainConfig}
+SECTIONS: dict[str, type] = {"model": TransformerConfig, "data": DataConfig, "train": TrainConfig,
+                             "head": HeadConfig, "lora": LoraConfig}
 
 
 def check_keys(data: dict[str, Any]) -> None:

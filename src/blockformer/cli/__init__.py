@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("generate", "generate text from a checkpoint"),
     "translate": ("translate", "translate lines with an encoder-decoder checkpoint"),
     "eval": ("evaluate", "evaluate a checkpoint: loss/perplexity, or BLEU/chrF against references"),
+    "predict": ("predict", "labels and probabilities for texts from a task-head checkpoint"),
     "info": ("info", "parameters, FLOPs per token and memory for a checkpoint or preset"),
     "average": ("average", "average the weights of several checkpoints"),
     "convert": ("convert", "import a Hugging Face checkpoint (--from-hf) or export one (--to-hf)"),

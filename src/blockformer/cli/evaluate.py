@@ -1,7 +1,8 @@
 """``blockformer eval --checkpoint DIR``: how good a trained model is.
 
 Language models: loss and perplexity on the checkpoint's validation split, or on other
-text with ``--data``. Synthetic tasks: loss and exact match on the held-out split. Aligned
+text with ``--data`` (masked-LM encoders: the loss and accuracy at masked positions). Task
+heads: loss, accuracy, macro F1 and the confusion matrix on the held-out labelled examples. Synthetic tasks: loss and exact match on the held-out split. Aligned
 pairs: loss on the held-out pairs. (Translation quality, BLEU and chrF against reference
 files, is computed by ``translation_metrics`` below when ``--src``/``--ref`` are given.)
 """
@@ -76,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
     with autocast(args.precision, device):
         if cfg.data.kind == "text":
             metrics = lm_metrics(ckpt, args.data, train_cfg, device)
+        elif cfg.data.kind == "labelled":
+            if args.data:
+                raise UsageError("--data: scores text for language models; a task head is scored on its "
+                                 "held-out labelled examples")
+            metrics = head_metrics(ckpt, train_cfg, device)
         else:
             metrics = seq2seq_metrics(ckpt, train_cfg, device, args.data)
     from ..train.metrics import perplexity  # noqa: PLC0415
@@ -110,8 +116,26 @@ def lm_metrics(ckpt: Any, spec: str | None, train_cfg: Any, device: Any) -> dict
         items = [s.strip() for s in spec.split(",") if s.strip()]
         tokens = TokenFile(build_token_file(items[0] if len(items) == 1 else items, ckpt.tokenizer, cache))
         val = LMDataset(tokens, data.seq_len, "train", val_fraction=0.0)  # all of it
-    objective = LanguageModelling(val, val, train_cfg.batch_size, 0, device)
+    from ..train.setup import objective_for  # noqa: PLC0415
+
+    if objective_for(ckpt.config) == "mlm":
+        from ..data.masking import MaskingRates  # noqa: PLC0415
+        from ..train.mlm import MaskedLM  # noqa: PLC0415
+
+        tc = ckpt.config.train
+        rates = MaskingRates(tc.mask_rate, tc.mask_token_rate, tc.random_token_rate)
+        objective = MaskedLM(val, val, train_cfg.batch_size, 0, device, ckpt.tokenizer.vocab_size, rates)
+    else:
+        objective = LanguageModelling(val, val, train_cfg.batch_size, 0, device)
     return {"tokens": len(val), **objective.evaluate(ckpt.model, train_cfg)}
+
+
+def head_metrics(ckpt: Any, train_cfg: Any, device: Any) -> dict[str, Any]:
+    """Loss, accuracy, macro F1 and the confusion matrix on every held-out labelled example."""
+    from ..train.setup import build_head_objective  # noqa: PLC0415
+
+    objective = build_head_objective(ckpt.config, ckpt.tokenizer, device, log=lambda *a: None)
+    return objective.evaluate_full(ckpt.model, train_cfg.batch_size)
 
 
 def seq2seq_metrics(ckpt: Any, train_cfg: Any, device: Any, spec: str | None = None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``blockformer train [CONFIG.toml] [--preset NAME] [--set section.key=value ...] [--resume DIR]``"""
+"""``blockformer train [CONFIG.toml] [--preset NAME] [--set section.key=value ...] [--resume DIR | --init-from CKPT]``"""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume", metavar="DIR", help="continue from a checkpoint, or from a run directory's latest one"
     )
+    parser.add_argument(
+        "--init-from", metavar="CKPT",
+        help="fine-tune: start from this checkpoint's weights; its [model] and tokenizer are used "
+             "(--set model.KEY still applies), a task head is new where the task differs",
+    )
     parser.add_argument("--out", metavar="DIR", help="run directory (default: runs/<train.name>)")
     parser.add_argument("--overwrite", action="store_true",
                         help="a fresh run into a directory holding an earlier run: replace that run "
@@ -37,9 +42,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
-    """The run config of ``args``: from the checkpoint when resuming (``--set`` still applies)."""
+    """The run config of ``args``: from the checkpoint when resuming (``--set`` still applies);
+    with ``--init-from``, the base checkpoint's [model] with ``--set model.*`` laid over it."""
+    init_from = getattr(args, "init_from", None)
+    if args.resume is None and init_from:
+        data = load_run_config(args.config, args.preset, args.overrides).to_dict()
+        data["model"] = read_config(resolve_checkpoint(init_from)).model.to_dict()
+        data["train"]["init_from"] = init_from
+        for item in args.overrides:
+            section, key, value = parse_override(item)
+            if section == "model":
+                data["model"][key] = value
+        return RunConfig.from_dict(data)
     if args.resume is None:
         return load_run_config(args.config, args.preset, args.overrides)
+    if init_from:
+        raise UsageError("--init-from: starts a new run; --resume continues one (its init-from is in its config)")
     if args.config or args.preset:
         raise UsageError("--resume: the run config comes from the checkpoint; change it with --set only")
     data = read_config(resolve_checkpoint(args.resume, prefer="latest")).to_dict()
@@ -83,6 +101,15 @@ def report(result, cfg: RunConfig) -> None:
     if result.val:
         print("validation: " + "  ".join(f"{k} {v:.4f}" for k, v in result.val.items()))
     ckpt = load_checkpoint(ckpt_dir)
+    if cfg.head.task != "none" or cfg.model.arch == "encoder":
+        q = shlex.quote(str(ckpt_dir))
+        print(f"\ncheckpoint: {ckpt_dir}\nmetrics:    {run_dir / 'metrics.jsonl'}\n\nnext:")
+        if cfg.head.task != "none":
+            print(f"  blockformer predict --checkpoint {q} --input FILE")
+        else:
+            print(f"  blockformer train --init-from {q} --set data.labels=FILE --set head.task=classify")
+        print(f"  blockformer eval --checkpoint {q} --json")
+        return
     if cfg.model.arch == "decoder" and cfg.train.samples > 0:
         print(f"\nsamples ({cfg.train.sample_tokens} tokens, temperature 0.8, top-k 50):")
         try:

@@ -37,6 +37,21 @@ class DecoderModel(TransformerModel):
         tokens. With ``cache``, the tokens are written into slots ``cache_pos`` (T,) and
         attend to every earlier slot.
         """
+        h = self.hidden_states(tokens, positions=positions, attention_mask=attention_mask, cache=cache,
+                               cache_pos=cache_pos)
+        return self._logits(h)
+
+    def hidden_states(
+        self,
+        tokens: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        cache_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens (B, T) -> the last block's hidden states (B, T, d_model), before the LM
+        head: what a task head reads."""
         if cache is not None and cache_pos is None:
             raise ValueError("cache_pos is required with a cache: the slots these tokens fill")
         check_ids(tokens, self.cfg.vocab_size, values=cache is None)  # cached steps: checked by their caller
@@ -44,5 +59,4 @@ class DecoderModel(TransformerModel):
         if cache is None:
             check_positions(self.cfg, tokens, positions)
         positions = default_positions(tokens, cache_pos) if positions is None else positions
-        h = self.decoder(self.embed(tokens, positions), positions, attention_mask, cache=cache, cache_pos=cache_pos)
-        return self._logits(h)
+        return self.decoder(self.embed(tokens, positions), positions, attention_mask, cache=cache, cache_pos=cache_pos)

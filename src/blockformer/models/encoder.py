@@ -40,7 +40,8 @@ class EncoderModel(TransformerModel):
         attention_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens (B, T) -> the last block's output (B, T, d_model): features for pooling."""
+        """tokens (B, T) -> the last block's output (B, T, d_model): features for pooling and
+        for a task head."""
         check_ids(tokens, self.cfg.vocab_size)
         check_mask(attention_mask, tokens, "attention_mask")
         check_positions(self.cfg, tokens, positions)

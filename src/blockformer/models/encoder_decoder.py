@@ -39,6 +39,10 @@ class EncoderDecoderModel(TransformerModel):
         positions = default_positions(src, None)
         return self.encoder(self.src_embed(src, positions), positions, src_mask)
 
+    def hidden_states(self, tokens: torch.Tensor, *, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """A task head reads the encoder's output: tokens (B, S) -> (B, S, d_model)."""
+        return self.encode(tokens, attention_mask)
+
     def decode(
         self,
         tgt: torch.Tensor,

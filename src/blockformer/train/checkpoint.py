@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from ..models import build_model
 from ..run_config import RunConfig
 from ..tokenizers import load_tokenizer
 
@@ -97,9 +96,10 @@ def save_checkpoint(
                 "fingerprint": tokenizer.fingerprint()}  # load_checkpoint checks the tokenizer against it
         text = json.dumps({**config.to_dict(), "tokenizer": meta}, indent=2) + "\n"
         (tmp / CONFIG).write_text(text, encoding="utf-8")
-        # save_model drops the duplicate names of tied tensors, which safetensors refuses.
-        try:
-            safetensors.torch.save_model(unwrap(model), str(tmp / WEIGHTS))
+        from .finetune import save_weights  # noqa: PLC0415 - all weights, or a LoRA run's adapter
+
+        try:  # save_model drops the duplicate names of tied tensors, which safetensors refuses
+            save_weights(unwrap(model), tmp, config, WEIGHTS)
         except safetensors.SafetensorError as e:  # a full disk surfaces here as a Rust I/O error
             raise OSError(errno.EIO, f"cannot write the weights ({str(e).splitlines()[0]})", str(tmp / WEIGHTS)) from None
         tokenizer.save(tmp)
@@ -291,6 +291,11 @@ def _read_json(path: str | Path) -> dict[str, Any]:
 def load_weights(model: nn.Module, path: str | Path, device: torch.device | str = "cpu") -> None:
     """Load ``model.safetensors`` from checkpoint ``path`` into ``model`` (strictly)."""
     file = resolve_checkpoint(path) / WEIGHTS
+    from .finetune import ADAPTER, load_adapter  # noqa: PLC0415
+
+    if not file.is_file() and (file.parent / ADAPTER).is_file():  # a LoRA run: base + adapter
+        load_adapter(unwrap(model), file.parent, read_config(file.parent), device)
+        return
     if not file.is_file():
         raise UsageError(f"{file}: weights file not found")
     try:
@@ -338,12 +343,17 @@ def tokenizer_meta(path: str | Path) -> dict[str, Any]:
 
 
 def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> Checkpoint:
-    """The model (eval mode, on ``device``), tokenizer and run config of a checkpoint."""
+    """The model (eval mode, on ``device``), tokenizer and run config of a checkpoint. A
+    LoRA checkpoint comes back with its adapters merged into the base weights."""
     path = resolve_checkpoint(path)
     config = read_config(path)
     tokenizer = load_tokenizer_for(path, config.model.vocab_size)
-    model = build_model(config.model)
+    from ..nn.lora import unload_lora  # noqa: PLC0415
+    from .finetune import build_model_for  # noqa: PLC0415
+
+    model = build_model_for(config, load_init=False)  # with its task head and adapters, if any
     load_weights(model, path)
+    unload_lora(model)  # adapters merged into their base weights: an ordinary model for inference
     return Checkpoint(model=model.to(device).eval(), tokenizer=tokenizer, config=config, path=path)
 
 

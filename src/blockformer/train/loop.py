@@ -42,6 +42,7 @@ from .checkpoint import (
     step_dir_name,
 )
 from .metrics import MetricsLog, perplexity, plot_losses
+from .finetune import lr_scale
 from .optim import build_optimizer
 from .precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
 from .run_dir import RunLock, clear_previous_run, main_process, prepare
@@ -107,7 +108,7 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
     cfg, model, objective = run.config, run.model, run.objective  # model.vocab_size now set
     if resume is not None:
         load_weights(model, resume, device)
-    optimizer = build_optimizer(model, tc)
+    optimizer = build_optimizer(model, tc, lr_scale(model, cfg))
     scheduler = build_scheduler(optimizer, tc, cfg.model.d_model)
     scaler = grad_scaler(tc.precision, device)
     step, best_loss = 0, float("inf")
@@ -125,7 +126,8 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
     metrics = MetricsLog(run_dir, resume_step=step if state is not None else None)
     fwd_model = torch.compile(model) if tc.compile else model
     log(
-        f"training {cfg.model.arch} ({count_parameters(model) / 1e6:.2f}M parameters) on {device} "
+        f"training {cfg.model.arch} ({count_parameters(model) / 1e6:.2f}M parameters, "
+        f"{count_parameters(model, trainable_only=True) / 1e6:.3f}M trainable) on {device} "
         f"in {describe_precision(requested, tc.precision, device)}, {tc.steps} steps -> {run_dir}"
     )
 

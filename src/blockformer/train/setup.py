@@ -23,10 +23,14 @@ from ..data.sources import iter_texts
 from ..data.tasks import Task, TaskBatches, make_task
 from ..data.token_file import TokenFile, build_token_file
 from ..errors import UsageError
-from ..models import build_model
+from ..data.labelled import LabelledData, class_weights, label_counts, label_names, read_labelled, split_examples
+from ..data.masking import MaskingRates
 from ..run_config import DataConfig, RunConfig
 from ..tokenizers import TOKENIZERS, Tokenizer, load_tokenizer, train_tokenizer
 from .checkpoint import load_tokenizer_for, read_config
+from .classify import TaskHead
+from .finetune import build_model_for
+from .mlm import MaskedLM
 from .objective import LanguageModelling, Objective, Seq2Seq
 
 ARCH_FOR = {"text": "decoder", "pairs": "encoder-decoder", "task": "encoder-decoder"}
@@ -61,8 +65,26 @@ def make_task_for(data: DataConfig) -> Task:
     return make_task(data.task, min_len=data.task_min_len, max_len=data.task_max_len, n_heldout=data.heldout)
 
 
+def objective_for(cfg: RunConfig) -> str:
+    """``train.objective`` resolved: what the data and architecture ask for under ``auto``."""
+    kind, arch, objective = cfg.data.kind, cfg.model.arch, cfg.train.objective
+    if kind == "labelled":
+        return "head"
+    if kind == "text" and objective == "auto":
+        return "mlm" if arch == "encoder" else "lm"
+    return objective if kind == "text" else "seq2seq"
+
+
 def check_arch(cfg: RunConfig) -> None:
-    kind, arch = cfg.data.kind, cfg.model.arch
+    kind, arch, objective = cfg.data.kind, cfg.model.arch, cfg.train.objective
+    if objective == "mlm" and (kind != "text" or arch != "encoder"):
+        raise UsageError(f"train.objective='mlm': masked language modelling trains an encoder on text; expected "
+                         f"model.arch='encoder' and data.text (got model.arch={arch!r}, {kind} data)")
+    if (kind == "labelled") != (cfg.head.task != "none"):
+        raise UsageError("head.task: labelled data (data.labels) trains a task head and a task head needs "
+                         f"labelled data; got head.task={cfg.head.task!r} with data.labels={cfg.data.labels!r}")
+    if kind == "labelled" or (kind == "text" and objective_for(cfg) == "mlm"):
+        return  # any architecture carries a head; an encoder learns text by MLM
     if arch != ARCH_FOR[kind]:
         what = {
             "text": "data.text (language modelling)",
@@ -91,6 +113,7 @@ def build_tokenizer(cfg: RunConfig, tokenizer_from: str | Path | None = None) ->
     """The checkpoint's tokenizer when resuming, else the one ``data.tokenizer`` names,
     trained on the run's own text."""
     data = cfg.data
+    tokenizer_from = tokenizer_from or cfg.train.init_from or None  # fine-tuning keeps the base's tokenizer
     if tokenizer_from is not None:
         return load_tokenizer_for(tokenizer_from, read_config(tokenizer_from).model.vocab_size)
     if data.kind == "task":
@@ -100,6 +123,8 @@ def build_tokenizer(cfg: RunConfig, tokenizer_from: str | Path | None = None) ->
         return make_tokenizer(data, lambda: [task.alphabet])
     if data.kind == "pairs":
         return make_tokenizer(data, lambda: (t for pair in read_pairs(data.src, data.tgt) for t in pair))
+    if data.kind == "labelled":
+        return make_tokenizer(data, lambda: (text for text, _ in read_labelled(data.labels)))
     return make_tokenizer(data, lambda: iter_texts(text_spec(data), data.max_bytes))
 
 
@@ -110,7 +135,9 @@ def build_run(
     check_arch(cfg)
     tokenizer = build_tokenizer(cfg, tokenizer_from)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
-    model = build_model(cfg.model, seed=cfg.train.seed, device=device)
+    if cfg.data.kind == "labelled" and not cfg.head.labels:  # the label names, saved with the run
+        cfg = dataclasses.replace(cfg, head=dataclasses.replace(cfg.head, labels=labelled_names(cfg)))
+    model = build_model_for(cfg, seed=cfg.train.seed, device=device, log=log, load_init=tokenizer_from is None)
     objective = build_objective(cfg, tokenizer, device, log)
     return Run(config=cfg, tokenizer=tokenizer, model=model, objective=objective)
 
@@ -120,6 +147,8 @@ def build_objective(
 ) -> Objective:
     """Training and validation data for ``cfg``, wrapped as the loop's objective."""
     data, tc = cfg.data, cfg.train
+    if data.kind == "labelled":
+        return build_head_objective(cfg, tokenizer, device, log)
     if data.kind == "text":
         if data.seq_len > cfg.model.max_seq_len:
             raise UsageError(
@@ -130,6 +159,9 @@ def build_objective(
         log(f"data: {len(tokens):,} tokens ({tokenizer.kind} tokenizer, {tokenizer.vocab_size} ids)")
         train = LMDataset(tokens, data.seq_len, "train", data.val_fraction)
         val = LMDataset(tokens, data.seq_len, "val", data.val_fraction)
+        if objective_for(cfg) == "mlm":
+            rates = MaskingRates(tc.mask_rate, tc.mask_token_rate, tc.random_token_rate)
+            return MaskedLM(train, val, tc.batch_size, tc.seed, device, tokenizer.vocab_size, rates)
         return LanguageModelling(train, val, tc.batch_size, tc.seed, device)
     if data.kind == "task":
         task = make_task_for(data)
@@ -145,6 +177,34 @@ def build_objective(
     val_batches = list(val_batcher.batches(0))
     log(f"data: {len(train_pairs):,} training pairs, {len(val_pairs):,} held out")
     return Seq2Seq(batcher, val_batches, device, seed=tc.seed, tokenizer=tokenizer)
+
+
+def labelled_splits(cfg: RunConfig) -> tuple[list, list]:
+    """Training and held-out examples: ``data.val_labels`` if given, else a fixed share."""
+    data = cfg.data
+    examples = read_labelled(data.labels)
+    if data.val_labels:
+        return examples, read_labelled(data.val_labels)
+    return split_examples(examples, data.val_fraction or 0.1, "data.labels")
+
+
+def labelled_names(cfg: RunConfig) -> list[str]:
+    return label_names(labelled_splits(cfg)[0], cfg.head.task)
+
+
+def build_head_objective(cfg: RunConfig, tokenizer: Tokenizer, device: torch.device, log: Any = print) -> TaskHead:
+    """Encoded labelled examples (cut to ``data.seq_len``) and the head's loss weights."""
+    data, head = cfg.data, cfg.head
+    train_ex, val_ex = labelled_splits(cfg)
+    max_len = min(data.seq_len, cfg.model.max_seq_len)
+    train = LabelledData(train_ex, tokenizer, head.task, head.labels, max_len, data.labels)
+    val = LabelledData(val_ex, tokenizer, head.task, head.labels, max_len, data.val_labels or data.labels)
+    weights = None
+    if head.class_weights and head.task != "regress":
+        weights = class_weights(head.class_weights, label_counts(train_ex, head.task, head.labels), head.labels)
+    log(f"data: {len(train):,} labelled training examples, {len(val):,} held out, "
+        f"{len(head.labels) or 'regression'} labels")
+    return TaskHead(train, val, cfg.train.batch_size, cfg.train.seed, device, weights)
 
 
 def _split_pairs(pairs: list[tuple[str, str]], data: DataConfig) -> tuple[list, list]:

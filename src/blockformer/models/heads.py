@@ -1,0 +1,91 @@
+"""Task heads: what a finished body's last hidden states are turned into besides tokens.
+
+A head reads hidden states ``(B, T, d_model)`` and a mask of the real positions, never
+token ids, so any body that yields hidden states can carry one (a text encoder, a decoder,
+an encoder-decoder's encoder, a vision encoder's patches).
+
+- ``SequenceHead``: one vector per sequence (pooled: the first position ``cls``, the
+  ``mean`` of the real positions, or the ``last`` real position, which is the only one a
+  causal decoder lets see the whole text), then a linear layer: class logits, or one
+  number for regression.
+- ``TokenHead``: a linear layer at every position (token classification).
+
+``TaskModel`` joins a body and a head; its state dict keys are ``body.*`` and ``head.*``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+POOLINGS = ("cls", "mean", "last")
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor | None, how: str) -> torch.Tensor:
+    """(B, T, d) hidden states -> (B, d): the first, the mean of the real, or the last real
+    position (``mask`` (B, T): True for real positions; right padding)."""
+    if how == "cls":
+        return hidden[:, 0]
+    if mask is None:
+        return hidden.mean(dim=1) if how == "mean" else hidden[:, -1]
+    mask = mask.to(hidden.dtype)
+    if how == "mean":
+        return (hidden * mask[..., None]).sum(dim=1) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    if how == "last":
+        last = (mask.sum(dim=1).long() - 1).clamp(min=0)  # (B,)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    raise ValueError(f"pooling={how!r}: expected one of {POOLINGS}")
+
+
+class SequenceHead(nn.Module):
+    """Pooled hidden state -> dropout -> ``n_outputs`` logits (or values)."""
+
+    def __init__(self, d_model: int, n_outputs: int, pooling: str = "cls", dropout: float = 0.0) -> None:
+        super().__init__()
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling={pooling!r}: expected one of {POOLINGS}")
+        self.pooling = pooling
+        self.dropout = nn.Dropout(dropout)
+        self.proj = nn.Linear(d_model, n_outputs)
+        nn.init.normal_(self.proj.weight, 0.0, 0.02)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, d_model) -> (B, n_outputs)."""
+        return self.proj(self.dropout(pool(hidden, mask, self.pooling)))
+
+
+class TokenHead(nn.Module):
+    """Dropout -> ``n_outputs`` logits at every position."""
+
+    def __init__(self, d_model: int, n_outputs: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.proj = nn.Linear(d_model, n_outputs)
+        nn.init.normal_(self.proj.weight, 0.0, 0.02)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, d_model) -> (B, T, n_outputs)."""
+        return self.proj(self.dropout(hidden))
+
+
+class TaskModel(nn.Module):
+    """A body (any model with ``hidden_states(tokens, *, attention_mask)``) and a task head."""
+
+    def __init__(self, body: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.body, self.head = body, head
+        self.cfg = body.cfg
+
+    def forward(self, tokens: torch.Tensor, *, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> the head's output: (B, n) per sequence, or (B, T, n) per token."""
+        hidden = self.body.hidden_states(tokens, attention_mask=attention_mask)
+        return self.head(hidden, attention_mask)
+
+
+def build_head(task: str, d_model: int, n_outputs: int, pooling: str, dropout: float) -> nn.Module:
+    """The head for a ``[head] task``: ``tokens`` gets a ``TokenHead``, the rest a ``SequenceHead``."""
+    if task == "tokens":
+        return TokenHead(d_model, n_outputs, dropout)
+    return SequenceHead(d_model, n_outputs, pooling, dropout)

@@ -65,8 +65,8 @@ def build_model_for(cfg: RunConfig, *, seed: int | None = None, device: Any = No
                 raise UsageError("lora.rank: adapters adapt a trained model; expected train.init_from=CKPT "
                                  "(blockformer train --init-from CKPT)")
             apply_lora(model, cfg.lora)
-            for name, p in model.named_parameters():
-                p.requires_grad_(LORA_MARK in name or name.startswith(HEAD))
+            for name, p in model.named_parameters():  # adapters, and a task head, train
+                p.requires_grad_(LORA_MARK in name or (isinstance(model, TaskModel) and name.startswith(HEAD)))
     freeze(model, cfg.train.freeze)
     return model if device is None else model.to(device)
 
@@ -118,11 +118,11 @@ def init_from(model: nn.Module, cfg: RunConfig, log: Any = print) -> InitReport:
         key = _base_key(name, target_is_task, base_is_task)
         if key not in base_state:
             report.new.append(name)
-        elif name.startswith(HEAD) and target_is_task and not same_task:
-            report.skipped.append(name)
-            used.add(key)
         elif base_state[key].shape != tensor.shape:
             report.skipped.append(f"{name} {tuple(base_state[key].shape)}->{tuple(tensor.shape)}")
+            used.add(key)
+        elif name.startswith(HEAD) and target_is_task and not same_task:
+            report.skipped.append(f"{name} (other labels)")
             used.add(key)
         else:
             state[name] = base_state[key]
@@ -184,6 +184,11 @@ def is_adapted(model: nn.Module) -> bool:
     return bool(lora_layers(model))
 
 
+def _trained_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Besides the adapters, what a LoRA checkpoint stores: a task head (never the LM head)."""
+    return (HEAD,) if isinstance(model, TaskModel) else ()
+
+
 def save_weights(model: nn.Module, directory: Path, config: RunConfig, weights_name: str) -> None:
     """The weights file of a checkpoint: all weights (``weights_name``), or, for a LoRA run,
     only the adapters and the head in ``adapter.safetensors``, with the base named."""
@@ -191,7 +196,7 @@ def save_weights(model: nn.Module, directory: Path, config: RunConfig, weights_n
         # save_model drops the duplicate names of tied tensors, which safetensors refuses.
         safetensors.torch.save_model(model, str(directory / weights_name))
         return
-    tensors = {k: v.contiguous() for k, v in adapter_state(model, (HEAD,)).items()}
+    tensors = {k: v.contiguous() for k, v in adapter_state(model, _trained_prefixes(model)).items()}
     base = os.path.abspath(config.train.init_from)  # abspath keeps a `best` link unresolved
     safetensors.torch.save_file(tensors, str(directory / ADAPTER), metadata={"base": base, "format": "blockformer-lora"})
 
@@ -213,7 +218,7 @@ def load_adapter(model: nn.Module, directory: Path, config: RunConfig, device: A
     cfg = dataclasses.replace(config, train=dataclasses.replace(config.train, init_from=base))
     init_from(model, cfg, log=None)
     tensors = safetensors.torch.load_file(str(file), device=str(device))
-    expected = set(adapter_state(model, (HEAD,)))
+    expected = set(adapter_state(model, _trained_prefixes(model)))
     if set(tensors) != expected:
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         raise UsageError(f"{file}: adapter tensors do not match the config (missing {missing[:3]}, "

@@ -35,6 +35,8 @@ bench: install
 	$(PY) benchmarks/bench_translate.py --threads 2 --max-minutes 30 --set train.keep_last=10 --set train.progress=false
 	$(PY) benchmarks/bench_decode.py --threads 2 --dtype fp32 --out benchmarks/results/decode-fp32.md
 	$(PY) benchmarks/bench_decode.py --threads 2 --dtype bf16 --skip nocache --repeats 3 --out benchmarks/results/decode-bf16.md
+	$(PY) benchmarks/bench_finetune.py --threads 2
+	$(PY) benchmarks/bench_lora_lm.py --threads 2
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

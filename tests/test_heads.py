@@ -219,3 +219,30 @@ def test_regression_multilabel_and_token_heads_train(tmp_path, task, label_of):
 def test_labels_without_a_head_and_a_head_without_labels_are_usage_errors(tmp_path):
     with pytest.raises(UsageError, match="head.task"):
         train(tiny_head_cfg(tmp_path, "head.task=none"), tmp_path / "run", **QUIET)
+
+
+# ---------------------------------------------------------------------- the stdlib-packages task
+def test_stdlib_package_functions_have_real_labels_and_a_fixed_disjoint_split():
+    from blockformer.data import stdlib_packages as sp
+    from blockformer.data.sources import stdlib_dir
+
+    functions = sp._functions_of(stdlib_dir() / "json" / "decoder.py", "json")
+    names = {f.qualname for f in functions}
+    assert {"JSONDecoder.decode", "JSONDecoder.raw_decode", "py_scanstring"} <= names
+    decode = next(f for f in functions if f.qualname == "JSONDecoder.decode")
+    assert decode.text.startswith("def decode(self, s, _w=WHITESPACE.match):")  # dedented, no decorator
+    assert decode.held_out == sp.is_held_out(decode.file, decode.qualname)  # a hash: the same every run
+    share = sum(sp.is_held_out(decode.file, f"f{i}") for i in range(2000)) / 2000
+    assert abs(share - 0.2) < 0.03
+
+
+def test_the_pretraining_text_leaves_out_the_held_out_functions(monkeypatch):
+    from blockformer.data import stdlib_packages as sp
+    from blockformer.data.sources import stdlib_dir
+
+    functions = sp._functions_of(stdlib_dir() / "json" / "decoder.py", "json")
+    monkeypatch.setattr(sp.Function, "held_out", property(lambda self: self.qualname == "JSONDecoder.raw_decode"))
+    text = sp.pretrain_text(functions)
+    assert "def raw_decode(self, s, idx=0):" not in text  # held out: cut
+    assert "def decode(self, s, _w=WHITESPACE.match):" in text  # a training function stays
+    assert "def dumps(obj, *, skipkeys=False" in text  # files outside the task stay whole

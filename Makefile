@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo finetune-demo test test-fast bench clean
 
 # torch is pinned and installed first: the CPU wheel on this machine's disk. Letting pip
 # resolve a bare `torch` would download a multi-GB CUDA build.
@@ -19,6 +19,13 @@ install: $(VENV)/.installed
 
 demo: install
 	$(PY) -m blockformer train --preset stdlib-lm
+
+# Pre-train an encoder by masked-LM on the standard library, then fine-tune it to tell which
+# stdlib package a function comes from (docs/finetuning.md; about 15 minutes on 2 cores).
+finetune-demo: install
+	$(PY) -m blockformer.data.stdlib_packages --out data/stdlib-packages
+	$(PY) -m blockformer train --preset stdlib-mlm
+	$(PY) -m blockformer train --preset stdlib-packages --init-from runs/stdlib-mlm/best
 
 test: install
 	$(PY) -m pytest -q

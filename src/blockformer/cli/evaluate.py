@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
             metrics = seq2seq_metrics(ckpt, train_cfg, device, args.data)
     from ..train.metrics import perplexity  # noqa: PLC0415
 
-    metrics["val_ppl"] = perplexity(metrics["val_loss"])
+    if cfg.data.kind != "labelled":
+        metrics["val_ppl"] = perplexity(metrics["val_loss"])
     if args.json:
         print(json.dumps(metrics))
     else:

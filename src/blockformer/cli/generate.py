@@ -61,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device, "--device")
     check_precision(args.precision, device, "--precision")
     ckpt = load_checkpoint(args.checkpoint, device)
+    if ckpt.config.head.task != "none":
+        raise UsageError(f"--checkpoint {args.checkpoint}: a {ckpt.config.head.task} head; generate expects a "
+                         "language model (use `blockformer predict`)")
     if ckpt.config.model.arch != "decoder":
         raise UsageError(
             f"--checkpoint {args.checkpoint}: an {ckpt.config.model.arch} model; generate expects a decoder "

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import UsageError
 from ..tokenizers import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from .sources import open_text
+from .seq2seq import _read_lines
 
 IGNORE = -100  # token targets the loss skips (padding, specials, a word's later tokens)
 Example = tuple[str, Any]  # (text, raw label)
@@ -41,13 +41,7 @@ def is_jsonl(path: Path, first_line: str) -> bool:
 def read_labelled(path: str | Path) -> list[Example]:
     """``(text, label)`` of every non-empty line of a labelled file (see the module docstring)."""
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"{path}: labelled file not found; expected text<TAB>label lines or JSONL")
-    try:
-        with open_text(path) as f:
-            lines = [line.rstrip("\r\n") for line in f]
-    except UnicodeDecodeError:
-        raise UsageError(f"{path}: not valid UTF-8 text; expected UTF-8") from None
+    lines = _read_lines(path, "text<TAB>label lines or JSONL with text and label")
     lines_nonempty = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
     if not lines_nonempty:
         raise UsageError(f"{path}: empty file; expected text<TAB>label lines or JSONL")
@@ -76,10 +70,7 @@ def read_texts(path: str | Path) -> list[str]:
     """Texts to predict: JSONL ``"text"`` fields, the text before the last tab of a TSV line,
     or whole lines of any other file."""
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"{path}: input file not found; expected one text per line, TSV or JSONL")
-    with open_text(path) as f:
-        lines = [line.rstrip("\r\n") for line in f if line.strip()]
+    lines = [line for line in _read_lines(path, "one text per line, TSV or JSONL") if line.strip()]
     if not lines:
         raise UsageError(f"{path}: empty file; expected one text per line, TSV or JSONL")
     if is_jsonl(path, lines[0]):

@@ -22,9 +22,11 @@ from .sources import open_text
 PairIds = tuple[Sequence[int], Sequence[int]]  # (source ids, target ids), no specials
 
 
-def _read_lines(path: Path) -> list[str]:
+def _read_lines(path: Path, expected: str = "one sentence per line") -> list[str]:
+    """The lines of a UTF-8 text file (``.gz`` read directly); a missing, unreadable or
+    empty file is a UsageError that says what was ``expected``."""
     if not path.is_file():
-        raise UsageError(f"{path}: no such file; expected one sentence per line (plain or .gz)")
+        raise UsageError(f"{path}: no such file; expected {expected} (plain or .gz)")
     try:
         with open_text(path) as f:
             lines = [line.rstrip("\r\n") for line in f]
@@ -33,7 +35,7 @@ def _read_lines(path: Path) -> list[str]:
     except (OSError, EOFError) as e:
         raise UsageError(f"{path}: cannot be read ({e})") from None
     if not lines:
-        raise UsageError(f"{path}: empty file; expected one sentence per line")
+        raise UsageError(f"{path}: empty file; expected {expected}")
     return lines
 
 

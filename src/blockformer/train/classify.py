@@ -83,6 +83,8 @@ class TaskHead(Objective):
     """Training batches drawn at random (with replacement) from the training examples; the
     generator is the data position."""
 
+    token_loss = False
+
     def __init__(self, train: LabelledData, val: LabelledData, batch_size: int, seed: int,
                  device: torch.device, weights: torch.Tensor | None = None) -> None:
         self.train, self.val, self.batch_size, self.device = train, val, batch_size, device

@@ -250,7 +250,8 @@ def train_step(
 def _evaluate(objective: Objective, model, tc, device, step, metrics, bar, log) -> dict[str, float]:
     with autocast(tc.precision, device):
         val = objective.evaluate(model, tc)
-    val["val_ppl"] = perplexity(val["val_loss"])
+    if objective.token_loss:  # perplexity means something only for a loss per token
+        val["val_ppl"] = perplexity(val["val_loss"])
     metrics.write({"split": "val", "step": step, **val})
     text = "  ".join(f"{k} {v:.4g}" for k, v in val.items())
     (bar.write if bar is not None else log)(f"step {step}: {text}")

@@ -27,6 +27,8 @@ LMBatch = tuple[torch.Tensor, torch.Tensor]
 class Objective:
     """The interface the loop uses (see the two subclasses)."""
 
+    token_loss = True  # the loss is a mean over tokens (a perplexity is reported)
+
     def next_batch(self) -> Any:
         raise NotImplementedError
 

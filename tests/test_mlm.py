@@ -111,3 +111,15 @@ def test_mlm_on_a_decoder_is_a_usage_error(tmp_path):
 def test_masking_rates_are_validated():
     with pytest.raises(UsageError, match="mask_token_rate"):
         load_run_config(overrides=["train.mask_token_rate=0.9", "train.random_token_rate=0.2"])
+
+
+def test_eval_on_an_mlm_checkpoint_scores_masked_tokens(tmp_path, capsys):
+    import json
+
+    from blockformer.cli import main
+
+    result = train(_tiny_mlm(tmp_path, "train.steps=2", "train.eval_every=0"), tmp_path / "run", **QUIET)
+    assert main(["eval", "--checkpoint", str(result.checkpoint), "--json", "--batches", "20"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["val_loss"] == pytest.approx(result.val["val_loss"], rel=1e-5)  # the same fixed masks
+    assert metrics["masked_accuracy"] == pytest.approx(result.val["masked_accuracy"])

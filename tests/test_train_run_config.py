@@ -78,7 +78,7 @@ def test_file_typos_and_bad_values_are_named(tmp_path):
 
 def test_unknown_preset_suggests_the_closest():
     with pytest.raises(UsageError, match=r"unknown preset \(did you mean 'stdlib-lm'\?\)"):
-        read_preset("stdlib-ml")
+        read_preset("stdlib-l")
 
 
 def test_toml_round_trip(tmp_path):

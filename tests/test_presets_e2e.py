@@ -21,6 +21,8 @@ EXTRA = {
     "stdlib-lm": ["data.max_bytes=300000", "train.batch_size=4", "train.sample_tokens=150"],
     "translate-small": ["data.src={src}", "data.tgt={tgt}", "data.vocab_size=300", "train.max_tokens=400"],
     "original-base": ["data.src={src}", "data.tgt={tgt}", "data.vocab_size=300", "train.max_tokens=400"],
+    "stdlib-mlm": ["data.text={corpus}", "train.batch_size=4"],
+    "stdlib-packages": ["data.labels={labels}", "data.val_labels={labels}", "train.batch_size=4"],
 }
 
 
@@ -31,7 +33,8 @@ def _files(tmp_path) -> dict:
     src = [f"{w} is {v}" for w in words for v in ("here", "there", "big", "small", "green")] * 4
     (tmp_path / "p.src").write_text("\n".join(src) + "\n")
     (tmp_path / "p.tgt").write_text("\n".join(s.upper() for s in src) + "\n")
-    return {"corpus": corpus, "src": tmp_path / "p.src", "tgt": tmp_path / "p.tgt"}
+    (tmp_path / "labels.jsonl").write_text("".join(f'{{"text": "{s}", "label": "{s.split()[1]}"}}\n' for s in src))
+    return {"corpus": corpus, "src": tmp_path / "p.src", "tgt": tmp_path / "p.tgt", "labels": tmp_path / "labels.jsonl"}
 
 
 def test_every_preset_is_covered():

@@ -2,7 +2,7 @@
 
 Language models: loss and perplexity on the checkpoint's validation split, or on other
 text with ``--data`` (masked-LM encoders: the loss and accuracy at masked positions). Task
-heads: loss, accuracy, macro F1 and the confusion matrix on the held-out labelled examples. Synthetic tasks: loss and exact match on the held-out split. Aligned
+heads: loss, accuracy, macro F1 and the confusion matrix on a labelled file (``--data``). Synthetic tasks: loss and exact match on the held-out split. Aligned
 pairs: loss on the held-out pairs. (Translation quality, BLEU and chrF against reference
 files, is computed by ``translation_metrics`` below when ``--src``/``--ref`` are given.)
 """
@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint or run directory")
     parser.add_argument("--data", metavar="SPEC",
                         help="language models: text to score (files, directories, globs, 'stdlib'; all of it "
-                             "is scored); aligned pairs: SRC,TGT files (all held out). Default: the "
+                             "is scored); aligned pairs: SRC,TGT files (all held out); task heads: a labelled "
+                             "file (text<TAB>label or JSONL). Default: the "
                              "validation split of 'stdlib' or of a synthetic task; a checkpoint never "
                              "chooses which local files are read")
     parser.add_argument("--batches", type=int, default=50, metavar="N", help="at most N batches (0 = all)")
@@ -78,10 +79,7 @@ def run(args: argparse.Namespace) -> int:
         if cfg.data.kind == "text":
             metrics = lm_metrics(ckpt, args.data, train_cfg, device)
         elif cfg.data.kind == "labelled":
-            if args.data:
-                raise UsageError("--data: scores text for language models; a task head is scored on its "
-                                 "held-out labelled examples")
-            metrics = head_metrics(ckpt, train_cfg, device)
+            metrics = head_metrics(ckpt, train_cfg, device, args.data)
         else:
             metrics = seq2seq_metrics(ckpt, train_cfg, device, args.data)
     from ..train.metrics import perplexity  # noqa: PLC0415
@@ -131,11 +129,19 @@ def lm_metrics(ckpt: Any, spec: str | None, train_cfg: Any, device: Any) -> dict
     return {"tokens": len(val), **objective.evaluate(ckpt.model, train_cfg)}
 
 
-def head_metrics(ckpt: Any, train_cfg: Any, device: Any) -> dict[str, Any]:
-    """Loss, accuracy, macro F1 and the confusion matrix on every held-out labelled example."""
-    from ..train.setup import build_head_objective  # noqa: PLC0415
+def head_metrics(ckpt: Any, train_cfg: Any, device: Any, spec: str | None) -> dict[str, Any]:
+    """Loss, accuracy, macro F1 and the confusion matrix on every example of the labelled
+    file ``spec`` (read only when named here, never on the checkpoint's word)."""
+    from ..data.labelled import LabelledData, read_labelled  # noqa: PLC0415
+    from ..train.classify import TaskHead  # noqa: PLC0415
 
-    objective = build_head_objective(ckpt.config, ckpt.tokenizer, device, log=lambda *a: None)
+    cfg = ckpt.config
+    if not spec:
+        raise UsageError(f"--data: missing; expected the labelled file to score (this checkpoint was trained "
+                         f"on data.labels={cfg.data.labels!r}, held out {cfg.data.val_labels or 'a share of it'!r})")
+    max_len = min(cfg.data.seq_len, cfg.model.max_seq_len)
+    data = LabelledData(read_labelled(spec), ckpt.tokenizer, cfg.head.task, cfg.head.labels, max_len, spec)
+    objective = TaskHead(data, data, train_cfg.batch_size, 0, device)
     return objective.evaluate_full(ckpt.model, train_cfg.batch_size)
 
 

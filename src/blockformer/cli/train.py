@@ -105,10 +105,11 @@ def report(result, cfg: RunConfig) -> None:
         q = shlex.quote(str(ckpt_dir))
         print(f"\ncheckpoint: {ckpt_dir}\nmetrics:    {run_dir / 'metrics.jsonl'}\n\nnext:")
         if cfg.head.task != "none":
-            print(f"  blockformer predict --checkpoint {q} --input FILE")
+            texts = cfg.data.val_labels or cfg.data.labels  # a labelled file predicts as it is
+            print(f"  blockformer predict --checkpoint {q} --input {shlex.quote(texts)}")
         else:
             print(f"  blockformer train --init-from {q} --set data.labels=FILE --set head.task=classify")
-        print(f"  blockformer eval --checkpoint {q} --json")
+        print(f"  blockformer eval --checkpoint {q}{_eval_data(cfg)} --json")
         return
     if cfg.model.arch == "decoder" and cfg.train.samples > 0:
         print(f"\nsamples ({cfg.train.sample_tokens} tokens, temperature 0.8, top-k 50):")
@@ -151,6 +152,8 @@ def _eval_data(cfg: RunConfig) -> str:
         return "" if d.text.strip() == "stdlib" else f" --data {shlex.quote(d.text)}"
     if d.kind == "pairs":
         return f" --data {shlex.quote((d.val_src or d.src) + ',' + (d.val_tgt or d.tgt))}"
+    if d.kind == "labelled":
+        return f" --data {shlex.quote(d.val_labels or d.labels)}"
     return ""
 
 

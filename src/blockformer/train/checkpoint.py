@@ -197,7 +197,9 @@ def recover(run_dir: str | Path) -> list[Path]:
 
 
 def _complete(path: Path) -> bool:
-    return (path / CONFIG).is_file() and (path / WEIGHTS).is_file()
+    from .finetune import ADAPTER  # noqa: PLC0415 - a LoRA run's checkpoint holds its adapter instead
+
+    return (path / CONFIG).is_file() and ((path / WEIGHTS).is_file() or (path / ADAPTER).is_file())
 
 
 def _fsync(path: Path) -> None:

@@ -54,6 +54,17 @@ CASES = [
     ["train", "--preset", "copy", "--out", "{file}/run"],
     ["train", "--preset", "copy", "--out", "{used_run}"],
     ["train", "--resume", "{dec}", "--overwrite"],
+    # fine-tuning: masked LM, task heads, init-from, LoRA, predict
+    ["train", S, "train.mask_rate=1.5"],
+    ["train", S, "train.objective=mlm"],
+    ["train", S, "head.task=classify"],
+    ["train", S, "lora.targets=qkv,attn"],
+    ["train", S, "lora.rank=4", S, "data.text={src}"],
+    ["train", "--init-from", "{missing}"],
+    ["train", "--init-from", "{dec}", "--resume", "{dec}"],
+    ["train", "--init-from", "{dec}", S, "data.labels={src}", S, "head.task=classify"],
+    ["predict", "--checkpoint", "{dec}", "--input", "{src}"],
+    ["predict", "--checkpoint", "{missing}", "--input", "{src}"],
     # generate
     ["generate"],
     ["generate", "--checkpoint", "{missing}"],

@@ -50,7 +50,8 @@ def test_round_trip_gives_identical_logits_and_keeps_ties(tmp_path, arch, tie):
     st = load_trainer_state(path)  # weights_only=True
     assert st["step"] == 3 and torch.equal(st["rng"], state["rng"])
     meta = json.loads((path / "config.json").read_text())
-    assert set(meta) == {"model", "data", "train", "head", "lora", "tokenizer"} and meta["tokenizer"]["vocab_size"] == 12
+    assert set(meta) == {"model", "data", "train", "head", "lora", "parallel", "tokenizer"}
+    assert meta["tokenizer"]["vocab_size"] == 12
 
 
 def test_a_compiled_module_is_saved_without_the_wrapper_prefix(tmp_path):

@@ -32,6 +32,8 @@ Freeze = Literal["none", "embeddings", "body"]
 HeadTask = Literal["none", "classify", "multilabel", "tokens", "regress"]
 Pooling = Literal["auto", "cls", "mean", "last"]
 LORA_TARGETS = ("qkv", "out", "up", "gate", "down")
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+Checkpointing = Literal["none", "full", "selective"]
 
 
 @dataclass
@@ -126,6 +128,8 @@ class TrainConfig:
     freeze: Freeze = "none"  # embeddings | body (everything but the task head)
     layer_lr_decay: float = 1.0  # lr x decay^depth-from-the-top per block (Clark et al. 2020)
     head_lr: float = 0.0  # the task head's peak lr; 0 = train.lr
+    # Memory: recompute activations in the backward pass (blockformer.parallel.activation).
+    activation_checkpointing: Checkpointing = "none"  # full: every block; selective: all but matmuls
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -210,8 +214,33 @@ class LoraConfig:
             raise UsageError(f"lora.targets={self.targets!r}: expected a non-empty list of {', '.join(LORA_TARGETS)}")
 
 
+
+@dataclass
+class ParallelConfig:
+    """How a run launched with ``torchrun`` spreads over its processes (blockformer.parallel).
+
+    The degrees multiply to the world size; ``dp_shard = -1`` takes what the others leave.
+    One process with the defaults is the plain single-device run.
+    """
+
+    dp_shard: int = -1  # FSDP2 (fully_shard) degree; -1 = world size / (dp_replicate * tp * pp)
+    dp_replicate: int = 1  # DDP replicas (HSDP when dp_shard > 1 too)
+    tp: int = 1  # tensor parallel degree (Megatron-style column/row split of each matmul)
+    pp: int = 1  # pipeline stages (decoder only)
+    pp_schedule: PipelineSchedule = "1f1b"
+    pp_microbatches: int = 0  # micro-batches per step in the pipeline; 0 = 2 * pp
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _positive(self, "dp_replicate", "tp", "pp")
+        if self.dp_shard < 1 and self.dp_shard != -1:
+            raise UsageError(f"parallel.dp_shard={self.dp_shard!r}: expected an integer >= 1, or -1 (the rest)")
+        if self.pp_microbatches < 0:
+            raise UsageError(f"parallel.pp_microbatches={self.pp_microbatches!r}: expected an integer >= 0")
+
+
 SECTION_OF = {"DataConfig": "data", "TrainConfig": "train", "TransformerConfig": "model",
-              "HeadConfig": "head", "LoraConfig": "lora"}
+              "HeadConfig": "head", "LoraConfig": "lora", "ParallelConfig": "parallel"}
 
 
 @dataclass
@@ -221,6 +250,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -234,6 +264,7 @@ class RunConfig:
             train=TrainConfig(**data.get("train", {})),
             head=HeadConfig(**data.get("head", {})),
             lora=LoraConfig(**data.get("lora", {})),
+            parallel=ParallelConfig(**data.get("parallel", {})),
         )
 
     def to_toml(self, path: str | Path | None = None) -> str:
@@ -247,7 +278,7 @@ class RunConfig:
 
 
 SECTIONS: dict[str, type] = {"model": TransformerConfig, "data": DataConfig, "train": TrainConfig,
-                             "head": HeadConfig, "lora": LoraConfig}
+                             "head": HeadConfig, "lora": LoraConfig, "parallel": ParallelConfig}
 
 
 def check_keys(data: dict[str, Any]) -> None:

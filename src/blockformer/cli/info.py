@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, metavar="B", help="default: train.batch_size")
     parser.add_argument("--seq-len", type=int, default=None, metavar="T",
                         help="default: data.seq_len (language modelling) or model.max_seq_len")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="also plan a parallel run on N ranks laid out by the [parallel] section "
+                             "(--set parallel.tp=8 ...): per-rank memory and communication per step")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
@@ -69,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         cfg = load_run_config(args.config, args.preset, args.overrides)
     info = model_info(cfg, args.batch_size, args.seq_len)
+    if args.world_size is not None:
+        from ..parallel.plan import format_plan, plan  # noqa: PLC0415
+
+        if args.world_size < 1:
+            raise UsageError(f"--world-size {args.world_size}: expected an integer >= 1")
+        info["plan"] = plan(cfg, args.world_size, args.batch_size, args.seq_len)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -84,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"memory       {_gib(mem['total_bytes'])} for a micro-batch of {info['batch_size']} x "
           f"{info['seq_len']} in fp32: weights {_gib(mem['weights_bytes'])}, optimizer+grads "
           f"{_gib(mem['optimizer_bytes'])}, activations {_gib(mem['activation_bytes'])}")
+    for line in format_plan(info["plan"]) if "plan" in info else []:
+        print(line)
     if not args.checkpoint and cfg.data.tokenizer in ("char", "bpe"):
         print(f"note         vocab_size is the config's; training sets it from the {cfg.data.tokenizer} "
               "tokenizer")

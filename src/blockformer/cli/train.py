@@ -61,6 +61,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     if args.config or args.preset:
         raise UsageError("--resume: the run config comes from the checkpoint; change it with --set only")
     data = read_config(resolve_checkpoint(args.resume, prefer="latest")).to_dict()
+    data["parallel"] = {}  # how the run was launched is not the run: this launch's --set decides
     for item in args.overrides:
         section, key, value = parse_override(item)
         data[section][key] = value
@@ -83,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     if args.overwrite and args.resume:
         raise UsageError("--overwrite: replaces an earlier run for a fresh one; not with --resume")
     result = train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite)
-    report(result, cfg)
+    if result.main:  # one report from a parallel run: rank 0's
+        report(result, cfg)
     return 128 + result.signal if result.signal else 0  # 130 after SIGINT, 143 after SIGTERM
 
 

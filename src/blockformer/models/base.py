@@ -83,12 +83,14 @@ class TransformerModel(nn.Module):
     ) -> KVCache:
         """A preallocated cache for decoding up to ``max_len`` target tokens."""
         param = next(self.parameters())
+        # The attention layers' own head count: a tensor-parallel rank holds n_kv_heads / tp.
+        n_kv_heads = next(m.n_kv_heads for m in self.modules() if isinstance(m, Attention))
         n_layers = self.cfg.n_decoder_layers if self.cfg.arch == "encoder-decoder" else self.cfg.n_layers
         return KVCache(
             n_layers,
             batch_size,
             max_len,
-            self.cfg.n_kv_heads,
+            n_kv_heads,
             self.cfg.head_dim,
             device=device or param.device,
             dtype=dtype or param.dtype,

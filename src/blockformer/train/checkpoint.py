@@ -26,7 +26,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import safetensors.torch
 import torch
@@ -81,9 +81,11 @@ def save_checkpoint(
     config: RunConfig,
     trainer_state: dict[str, Any] | None = None,
     extra_files: dict[str, str] | None = None,
+    before_commit: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a checkpoint to ``directory`` atomically (replacing one already there);
-    ``extra_files`` (name -> text) are written inside it."""
+    ``extra_files`` (name -> text) are written inside it, and ``before_commit(tmp)`` may add
+    more to the temporary directory before it is renamed."""
     directory = Path(directory)
     if directory.is_file():
         raise UsageError(f"{directory}: is a file; expected a checkpoint directory (or a new name)")
@@ -107,6 +109,8 @@ def save_checkpoint(
             torch.save(trainer_state, tmp / STATE)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
+        if before_commit is not None:
+            before_commit(tmp)
         for f in tmp.iterdir():
             _fsync(f)
         _fsync(tmp)

@@ -27,7 +27,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import parallel
 from ..errors import UsageError
+from ..parallel.checkpoint import (
+    full_optimizer_state,
+    load_optimizer_state,
+    load_sharded,
+    same_layout,
+    save_sharded,
+)
 from ..run_config import RunConfig
 from ..stats import count_parameters
 from .checkpoint import (
@@ -61,6 +69,7 @@ class TrainResult:
     interrupted: bool = False
     signal: int | None = None  # SIGINT/SIGTERM when a signal stopped the run
     skipped: int = 0  # steps whose update was skipped for a non-finite loss (train.nonfinite="skip")
+    main: bool = True  # False on every rank of a parallel run but rank 0 (which reports)
 
 
 class NonFiniteLoss(UsageError):
@@ -83,18 +92,34 @@ def train(
     as if interrupted. A fresh run into a directory holding an earlier run raises
     UsageError unless ``overwrite``; another process training there raises UsageError."""
     run_dir = Path(run_dir)
-    if not main_process():  # data-parallel ranks > 0: rank 0 owns (locks, checks) the directory
-        return _train(cfg, run_dir, resume=resume, stop_at=stop_at, log=log, overwrite=False)
-    with RunLock(run_dir):
-        cleaned = prepare(run_dir, fresh=resume is None, overwrite=overwrite)
+    par = parallel.start(cfg, resolve_device(cfg.train.device))  # None: one process, no parallel section
+    lock = RunLock(run_dir)
+
+    def own_run_dir() -> list[Path]:
+        if par is None and not main_process():  # a rank > 0 outside our process group: rank 0 owns it
+            return []
+        lock.acquire()
+        return prepare(run_dir, fresh=resume is None, overwrite=overwrite)
+
+    try:
+        cleaned = parallel.on_main(par, own_run_dir)  # rank 0 owns the directory; all ranks learn if it could
         if cleaned:
             log(f"{run_dir}: removed {len(cleaned)} temporary entries left by an interrupted run")
-        return _train(cfg, run_dir, resume=resume, stop_at=stop_at, log=log, overwrite=overwrite)
+        return _train(cfg, run_dir, resume=resume, stop_at=stop_at, log=log, overwrite=overwrite, par=par)
+    finally:
+        if lock.held:
+            lock.release()
+        if par is not None:
+            par.close()
 
 
-def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) -> TrainResult:
+def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, par) -> TrainResult:
     tc = cfg.train
-    device = resolve_device(tc.device)
+    device = resolve_device(tc.device) if par is None else par.device
+    main = par is None or par.is_main
+    if par is not None:
+        log = log if main else _quiet
+        log(f"parallel: {par.describe()}")
     requested = tc.precision
     tc = dataclasses.replace(tc, precision=resolve_precision(requested, device))  # cfg keeps "auto"
     check_precision(tc.precision, device)
@@ -106,25 +131,34 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
         torch.manual_seed(tc.seed)
     run = build_run(cfg, device, tokenizer_from=resume, log=log)
     cfg, model, objective = run.config, run.model, run.objective  # model.vocab_size now set
-    if resume is not None:
+    full_optim, sharded = None, same_layout(par, state)  # sharded: each rank reads only its shards
+    if resume is not None and not sharded:
         load_weights(model, resume, device)
+        if par is not None or "optimizer" not in state:  # another layout wrote it, or will read it
+            full_optim = full_optimizer_state(model, cfg, resume, state)
+    model, fwd_model = parallel.parallelize(model, cfg, par)  # model: this rank's parameters
     optimizer = build_optimizer(model, tc, lr_scale(model, cfg))
     scheduler = build_scheduler(optimizer, tc, cfg.model.d_model)
     scaler = grad_scaler(tc.precision, device)
     step, best_loss = 0, float("inf")
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        if sharded:
+            load_sharded(model, optimizer, resume)
+        elif full_optim is None:
+            optimizer.load_state_dict(state["optimizer"])
+        else:
+            load_optimizer_state(par, model, optimizer, full_optim)
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         objective.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         step, best_loss = state["step"], state["best_val_loss"]
-    elif overwrite:
+    elif overwrite and main:
         clear_previous_run(run_dir, log)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.to_toml(run_dir / "config.toml")
-    metrics = MetricsLog(run_dir, resume_step=step if state is not None else None)
-    fwd_model = torch.compile(model) if tc.compile else model
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.to_toml(run_dir / "config.toml")
+    metrics = MetricsLog(run_dir, resume_step=step if state is not None else None) if main else _NoMetrics()
     log(
         f"training {cfg.model.arch} ({count_parameters(model) / 1e6:.2f}M parameters, "
         f"{count_parameters(model, trainable_only=True) / 1e6:.3f}M trainable) on {device} "
@@ -135,24 +169,30 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
         nonlocal best_loss
         trainer_state = {
             "step": step,
-            "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),
             "data": objective.state_dict(),
             "rng": get_rng_state(),
             "best_val_loss": min(best_loss, val["val_loss"]) if val else best_loss,
         }
-        path = save_checkpoint(run_dir / step_dir_name(step), model, run.tokenizer, cfg, trainer_state)
+        directory = run_dir / step_dir_name(step)
+        if par is None:
+            trainer_state["optimizer"] = optimizer.state_dict()
+            path = save_checkpoint(directory, model, run.tokenizer, cfg, trainer_state)
+        else:  # the optimizer state is sharded: in the checkpoint's dcp/
+            path = save_sharded(par, directory, model, optimizer, run.tokenizer, cfg, trainer_state)
         if val and val["val_loss"] < best_loss:
             best_loss = val["val_loss"]
-            mark_best(run_dir, path)
-        prune(run_dir, tc.keep_last)
+            if main:
+                mark_best(run_dir, path)
+        if main:
+            prune(run_dir, tc.keep_last)
         return path
 
     result = TrainResult(run_dir=run_dir, step=step, checkpoint=None, best=None)
     last_stop = tc.steps if stop_at is None else min(stop_at, tc.steps)
     stopper = _Stopper()
-    bar = _progress(tc, step, last_stop)
+    bar = _progress(tc, step, last_stop) if main else None
     pending: list[torch.Tensor] = []
     t0, tokens_seen = time.perf_counter(), 0
     params = [p for p in model.parameters() if p.requires_grad]
@@ -162,7 +202,7 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
             batches = [objective.next_batch() for _ in range(tc.grad_accum)]
             lr = scheduler.get_last_lr()[0]
             loss = train_step(fwd_model, objective, batches, optimizer, scaler, params, tc, device,
-                              check_finite=True)
+                              check_finite=True, par=par)
             if loss is None:  # non-finite: no update was made
                 if tc.nonfinite == "stop":
                     last = step_checkpoints(run_dir)
@@ -208,7 +248,9 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
     result.interrupted = step < tc.steps
     result.signal = stopper.signal
     result.best = best_checkpoint(run_dir)
-    plot_losses(run_dir)
+    result.main = main
+    if main:
+        plot_losses(run_dir)
     return result
 
 
@@ -222,25 +264,33 @@ def train_step(
     tc: Any,
     device: torch.device,
     check_finite: bool = False,
+    par: parallel.Parallel | None = None,
 ) -> torch.Tensor | None:
     """One optimizer update from ``batches`` (the micro-batches of gradient accumulation),
     each weighted by its share of the target tokens; returns the mean loss per token.
     With ``check_finite``, a NaN or infinite loss makes no update and returns None (one
-    host sync per step)."""
+    host sync per step). In a parallel run ``batches`` are global: each rank computes the
+    loss of its rows (``par.local_batch``) and the total is the global batch's."""
     model.train()
     n_targets = sum(objective.count_targets(b) for b in batches)
     total = torch.zeros((), device=device)
-    for batch in batches:
-        with autocast(tc.precision, device):
-            loss_sum = objective.loss(model, batch, tc.label_smoothing)
-        scaler.scale(loss_sum / n_targets).backward()
-        total += loss_sum.detach()
+    if par is not None and par.pipeline is not None:
+        total = par.pipeline.step(batches, n_targets, tc)
+    else:
+        for batch in batches:
+            with autocast(tc.precision, device):
+                loss_sum = objective.loss(model, batch if par is None else par.local_batch(batch), tc.label_smoothing)
+            share = loss_sum / n_targets if par is None else loss_sum * par.grad_scale / n_targets
+            scaler.scale(share).backward()
+            total += loss_sum.detach()
+        total = parallel.loss_total(par, total)
     if check_finite and not bool(torch.isfinite(total)):
         optimizer.zero_grad(set_to_none=True)
         return None
     scaler.unscale_(optimizer)  # clip the true gradients (a no-op unless fp16)
     if tc.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+        clip = torch.nn.utils.clip_grad_norm_ if par is None else par.clip_grad_norm_
+        clip(params, tc.grad_clip)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
@@ -264,6 +314,15 @@ def _progress(tc, start: int, stop: int):
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     return tqdm(total=stop, initial=start, desc="train", unit="step", dynamic_ncols=True, smoothing=0.1)
+
+
+def _quiet(*args, **kwargs) -> None:
+    """The log of every rank but rank 0."""
+
+
+class _NoMetrics:
+    def write(self, record: dict) -> None:
+        pass
 
 
 # ---------------------------------------------------------------------- RNG state

@@ -1,0 +1,62 @@
+"""Data parallelism: FSDP2 (``fully_shard``) and DDP.
+
+FSDP (ZeRO-3, Rajbhandari et al. 2020; Zhao et al. 2023) keeps ``1/dp_shard`` of every
+parameter, gradient and optimizer moment on each rank; it all-gathers a block's weights
+just before the block runs and reduce-scatters its gradients just after. Each block is
+one unit so only one block's full weights exist at a time, then the embeddings and head,
+then the root for what is left. With ``dp_replicate > 1`` too the mesh is 2-D (HSDP):
+sharded within a group, replicated across groups. DDP (plain replicas, gradients
+all-reduced) is used when nothing is sharded and there is no tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+from ..train.precision import DTYPES
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The Transformer blocks of every stack of ``model``, in order (encoder first)."""
+    out = []
+    for name in ("encoder", "decoder"):
+        stack = getattr(model, name, None)
+        if stack is not None:
+            blocks = stack.blocks
+            out.extend(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+    return out
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """bf16/fp16 weights in the forward and backward, gradients reduced in fp32."""
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str, roots: list[nn.Module] | None = None) -> None:
+    """Shard ``model`` in place over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP). ``roots``
+    are the modules called from outside (default: ``model``; pipeline stages under PP)."""
+    kwargs = {"mesh": mesh, "mp_policy": mixed_precision(precision)}
+    for block in blocks_of(model):
+        fully_shard(block, **kwargs)
+    if not model.cfg.tie_embeddings:  # a tied table is shared by embedding and head: leave it to the root
+        for name in ("embed", "src_embed", "tgt_embed", "head"):
+            module = getattr(model, name, None)
+            if module is not None and any(p.requires_grad for p in module.parameters()):
+                fully_shard(module, **kwargs)
+    for root in roots or [model]:
+        fully_shard(root, **kwargs)
+        for method in ("encode", "decode"):  # greedy decoding calls these, not forward
+            if hasattr(root, method):
+                register_fsdp_forward_method(root, method)
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """``model`` replicated over the 1-D ``mesh``, its gradients all-reduced (a wrapper)."""
+    device = next(model.parameters()).device
+    ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids, device_mesh=mesh)

@@ -1,0 +1,221 @@
+"""Sizing a parallel run on paper: per-rank memory and communication per step for a mesh.
+
+Parameters are counted exactly from the model built on the ``meta`` device, each
+assigned to where this package puts it: block matmuls and the vocabulary tables split
+over ``tp`` (norms, biases of row-split projections and gates replicated), blocks split
+into pipeline stages (the embedding on the first, final norm and head on the last; the
+heaviest stage is reported), then everything split over ``dp_shard`` by FSDP.
+
+Memory per rank, in bytes (``P`` = this rank's parameters after TP and PP):
+- weights ``4P / dp_shard`` and gradients ``4P / dp_shard`` (fp32 master copies; bf16/fp16
+  only inside autocast), AdamW moments ``8P / dp_shard``; FSDP also holds one block's
+  gathered weights (in the compute dtype) at a time, and the next one prefetched;
+- activations per block, in the compute dtype's bytes ``e`` per value (Korthikanti et al.
+  2022, eq. 2 without sequence parallelism, for ``s`` tokens, ``b`` rows, width ``h``,
+  ``a`` heads): ``e/2 * s*b*h * (10 + 24/tp + 5*a*s/(h*tp))``, the ``5as/h`` term only
+  where attention scores are materialised (ALiBi, relative bias, attention dropout; the
+  flash kernel keeps none); ``full`` checkpointing keeps the block input ``e*s*b*h`` plus
+  one block's activations while it is recomputed; ``selective`` drops the score term.
+  A pipeline stage keeps the activations of the micro-batches in flight: all of them
+  under GPipe, at most ``pp`` under 1F1B. Logits and their gradient: ``8 * s*b*V`` (fp32,
+  gathered over ``tp``).
+
+Communication per optimizer step, bytes sent per rank (ring collectives move
+``2(n-1)/n`` of the buffer for an all-reduce and ``(n-1)/n`` for an all-gather or a
+reduce-scatter), repeated for each of the ``grad_accum`` micro-batches:
+- FSDP: all-gather of the weights in forward and again in backward, reduce-scatter of the
+  fp32 gradients; HSDP adds an all-reduce of the gradient shards across replicas; DDP an
+  all-reduce of the fp32 gradients;
+- TP: two all-reduces of the ``(b, s, h)`` activations per block forward (attention and FFN
+  outputs; three with cross-attention) and two backward, one for the embedding, and the
+  all-gather of the logits;
+- PP: each stage boundary sends a micro-batch's activations forward and its gradient back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..models import build_model
+from ..nn.attention import Attention
+from ..nn.feedforward import FeedForward
+from ..run_config import RunConfig
+
+from .mesh import Degrees, resolve_degrees
+from .pipeline import STAGES_PER_RANK, check_pp, stage_bounds
+from .tensor import check_tp
+
+GIB = 2**30
+
+
+@dataclass
+class Counts:
+    """Parameters by where they go: per block (split, replicated), and the ends of the model."""
+
+    block_split: list[int]  # per block: split over tp
+    block_replicated: list[int]  # per block: kept whole on every tp rank
+    first: int  # embeddings (split over tp) + learned positions
+    last_split: int  # head (split over tp; 0 when tied)
+    last_replicated: int  # final norm(s)
+    cross: list[bool]  # per block: has cross-attention
+
+
+def count(model: nn.Module) -> Counts:
+    split_ids = set()
+    for m in model.modules():
+        if isinstance(m, Attention):
+            for lin in ((m.q, m.kv) if m.cross else (m.qkv,)):
+                split_ids.update(id(p) for p in lin.parameters())
+            split_ids.add(id(m.out.weight))
+        elif isinstance(m, FeedForward):
+            split_ids.update(id(p) for p in m.up.parameters())
+            split_ids.add(id(m.down.weight))
+    blocks = [b for name in ("encoder", "decoder") if hasattr(model, name) for b in getattr(model, name).blocks]
+    in_block = set()
+    split, rep = [], []
+    for b in blocks:
+        ps = list(b.parameters())
+        in_block.update(id(p) for p in ps)
+        split.append(sum(p.numel() for p in ps if id(p) in split_ids))
+        rep.append(sum(p.numel() for p in ps if id(p) not in split_ids))
+    first = last_split = last_rep = 0
+    for name, p in model.named_parameters():
+        if id(p) in in_block:
+            continue
+        if "embed" in name.split(".")[0]:
+            first += p.numel()
+        elif name.startswith("head"):
+            last_split += p.numel()
+        else:
+            last_rep += p.numel()
+    return Counts(split, rep, first, last_split, last_rep, [b.cross_attn is not None for b in blocks])
+
+
+def plan(cfg: RunConfig, world_size: int, batch_size: int | None = None, seq_len: int | None = None) -> dict:
+    """Per-rank memory and per-step communication of ``cfg`` on ``world_size`` ranks (bytes)."""
+    m, tc, pc = cfg.model, cfg.train, cfg.parallel
+    d: Degrees = resolve_degrees(pc, world_size)
+    with torch.device("meta"):
+        model = build_model(m)
+    check_tp(m, d.tp)
+    if d.pp > 1:
+        check_pp(model, d.pp, pc.pp_schedule)
+    c = count(model)
+    s = seq_len or (cfg.data.seq_len if m.arch == "decoder" else m.max_seq_len)
+    B = batch_size or tc.batch_size
+    b_dp = B / d.dp  # rows per data-parallel rank per micro-batch
+    n_stages = d.pp * (STAGES_PER_RANK[pc.pp_schedule] if d.pp > 1 else 1)
+    n_micro = (pc.pp_microbatches or 2 * d.pp) if d.pp > 1 else 1
+    b = b_dp / n_micro  # rows per pipeline micro-batch
+    layers = len(c.block_split)
+    bounds = stage_bounds(layers, n_stages) if d.pp > 1 else [(0, layers)]
+    rank_stages = [list(range(r, n_stages, d.pp)) for r in range(d.pp)]
+
+    def params_of(stages: list[int]) -> float:
+        total = 0.0
+        for st in stages:
+            lo, hi = bounds[st]
+            total += sum(c.block_split[lo:hi]) / d.tp + sum(c.block_replicated[lo:hi])
+            if st == 0:
+                total += c.first / d.tp
+            if st == n_stages - 1:
+                total += c.last_split / d.tp + c.last_replicated
+        return total
+
+    per_rank = [params_of(st) for st in rank_stages]
+    worst = max(range(d.pp), key=lambda r: per_rank[r])
+    P = per_rank[worst]
+    layers_here = sum(bounds[st][1] - bounds[st][0] for st in rank_stages[worst])
+    e = 2 if tc.precision in ("bf16", "fp16") else 4
+    shard = d.dp_shard
+    fsdp = d.dp_shard > 1 or (d.dp_replicate > 1 and (d.tp > 1 or d.pp > 1))
+    biggest_block = max(sp / d.tp + rp for sp, rp in zip(c.block_split, c.block_replicated))
+    gathered = 2 * biggest_block * e if fsdp else 0.0
+
+    h, a, V = m.d_model, m.n_heads, m.vocab_size
+    scores = m.position in ("alibi", "relative") or m.attention_dropout > 0
+    per_block = e / 2 * s * b * h * (10 + 24 / d.tp + (5 * a * s / (h * d.tp) if scores else 0))
+    if tc.activation_checkpointing == "full":
+        kept = e * s * b * h * layers_here + per_block
+    elif tc.activation_checkpointing == "selective":
+        kept = e / 2 * s * b * h * (10 + 24 / d.tp) * layers_here
+    else:
+        kept = per_block * layers_here
+    in_flight = 1 if d.pp == 1 else (n_micro if pc.pp_schedule == "gpipe" else min(d.pp, n_micro))
+    has_head = (n_stages - 1) in rank_stages[worst]
+    logits = 8 * s * b * V if has_head else 0.0
+    activations = kept * in_flight + logits
+    memory = {
+        "weights": 4 * P / shard,
+        "gradients": 4 * P / shard,
+        "optimizer": 8 * P / shard,
+        "gathered_weights": gathered,
+        "activations": activations,
+    }
+    memory["total"] = sum(memory.values())
+
+    ring = lambda n: (n - 1) / n  # noqa: E731
+    comm = {}
+    accum = tc.grad_accum
+    if fsdp:
+        comm["fsdp_all_gather"] = 2 * P * e * ring(shard) * accum if shard > 1 else 0.0
+        comm["fsdp_reduce_scatter"] = 4 * P * ring(shard) * accum if shard > 1 else 0.0
+        comm["hsdp_all_reduce"] = 2 * 4 * (P / shard) * ring(d.dp_replicate) * accum
+    elif d.dp_replicate > 1:
+        comm["ddp_all_reduce"] = 2 * 4 * P * ring(d.dp_replicate) * accum
+    if d.tp > 1:  # 2 all-reduces per sublayer (forward, backward), 1 forward for the embedding
+        blocks_here = [i for st in rank_stages[worst] for i in range(*bounds[st])]
+        n_reduce = sum(2 * (3 if c.cross[i] else 2) for i in blocks_here) + (1 if 0 in rank_stages[worst] else 0)
+        comm["tp_all_reduce"] = n_reduce * 2 * b_dp * s * h * e * ring(d.tp) * accum
+        comm["tp_logits_all_gather"] = (b_dp * s * V * 4 * ring(d.tp) * accum) if has_head else 0.0
+    if d.pp > 1:
+        # activations forward out of every stage but the last, gradients back out of every stage but the first
+        sends = sum(st < n_stages - 1 for st in rank_stages[worst]) + sum(st > 0 for st in rank_stages[worst])
+        comm["pp_send"] = b_dp * s * h * 4 * sends * accum
+    comm = {k: v for k, v in comm.items() if v}
+    return {
+        "degrees": {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp},
+        "world_size": world_size,
+        "parameters": sum(c.block_split) + sum(c.block_replicated) + c.first + c.last_split + c.last_replicated,
+        "parameters_per_rank": P / shard,
+        "parameters_before_fsdp": P,
+        "stage_of_rank": worst,
+        "batch_size": B,
+        "rows_per_microbatch": b,
+        "microbatches": n_micro,
+        "seq_len": s,
+        "bytes_per_activation": e,
+        "activation_checkpointing": tc.activation_checkpointing,
+        "memory_bytes": memory,
+        "comm_bytes_per_step": comm,
+    }
+
+
+def format_plan(p: dict) -> list[str]:
+    d = p["degrees"]
+    mem, comm = p["memory_bytes"], p["comm_bytes_per_step"]
+    lines = [
+        f"mesh         {p['world_size']} ranks: pp {d['pp']} x dp_replicate {d['dp_replicate']} x dp_shard "
+        f"{d['dp_shard']} x tp {d['tp']}",
+        f"per rank     {p['parameters_per_rank']:,.0f} parameters ({p['parameters_before_fsdp']:,.0f} before FSDP"
+        + (f", on pipeline rank {p['stage_of_rank']}, the heaviest" if d["pp"] > 1 else "")
+        + f"); micro-batches of {p['rows_per_microbatch']:g} x {p['seq_len']} tokens"
+        + (f", {p['microbatches']} per batch in the pipeline" if d["pp"] > 1 else ""),
+        f"memory/rank  {_g(mem['total'])}: weights {_g(mem['weights'])}, gradients {_g(mem['gradients'])}, "
+        f"AdamW {_g(mem['optimizer'])}, gathered {_g(mem['gathered_weights'])}, activations "
+        f"{_g(mem['activations'])} ({p['activation_checkpointing']} checkpointing, {p['bytes_per_activation']}-byte "
+        "values)",
+        "comm/step    " + (", ".join(f"{k.replace('_', ' ')} {_g(v)}" for k, v in comm.items()) or "none")
+        + " (sent per rank)",
+    ]
+    return lines
+
+
+def _g(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+__all__ = ["plan", "format_plan", "count", "Counts"]

@@ -1,0 +1,193 @@
+"""The one object the training loop asks about parallelism, and the wrapping of a finished model.
+
+``start(cfg, device)`` returns ``None`` for a plain one-process run (the loop then runs
+exactly as without this package) or a ``Parallel``: the mesh, this rank's place in it,
+and the few collectives the loop needs (its slice of the batch, the global loss, the
+global gradient norm). ``parallelize`` wraps the model in torchtitan's order: tensor
+parallel, activation checkpointing, compile, then FSDP or DDP.
+"""
+
+from __future__ import annotations
+
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ..run_config import RunConfig
+from .activation import apply_activation_checkpointing
+from .data import shard_batch
+from .fsdp import apply_ddp, apply_fsdp, blocks_of
+from ..errors import UsageError
+from .mesh import Degrees, env_world_size, init_mesh, local_device, resolve_degrees
+from .pipeline import Pipeline, build_pipeline, describe_stages
+from .tensor import RowOrder, apply_tp, check_tp
+
+
+@dataclass
+class Parallel:
+    degrees: Degrees
+    mesh: DeviceMesh
+    device: torch.device
+    owns_group: bool  # this process group was created here and is destroyed by ``close``
+    rows: RowOrder = field(default_factory=RowOrder)  # tensor parallelism's reordered rows
+    pipeline: Any = None  # a pipeline.Pipeline when pp > 1
+    pp_schedule: str = "1f1b"
+    n_layers: int = 0
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 logs, writes metrics and files, shows the progress bar."""
+        return self.rank == 0
+
+    def coordinate(self, dim: str) -> int:
+        return self.mesh[dim].get_local_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks: which slice of each batch it reads."""
+        return self.coordinate("dp_replicate") * self.degrees.dp_shard + self.coordinate("dp_shard")
+
+    def local_batch(self, batch: Any) -> Any:
+        return shard_batch(batch, self.dp_rank, self.degrees.dp)
+
+    @property
+    def grad_scale(self) -> float:
+        """FSDP and DDP average gradients over the data-parallel ranks; the loss already divides
+        by the global batch's targets, so each rank's loss is scaled back up by their number."""
+        return float(self.degrees.dp)
+
+    def sum_over(self, t: torch.Tensor, dims: tuple[str, ...] = ("dp_replicate", "dp_shard")) -> torch.Tensor:
+        for dim in dims:
+            if self.mesh[dim].size() > 1:
+                dist.all_reduce(t, group=self.mesh[dim].get_group())
+        return t
+
+    def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip by the norm of all gradients of the model, whatever shard each rank holds."""
+        squares = torch.zeros((), device=self.device, dtype=torch.float32)
+        for p in params:
+            if p.grad is None:
+                continue
+            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+            squares += sq.full_tensor() if isinstance(sq, DTensor) else sq
+        if self.degrees.pp > 1:  # each stage holds different parameters
+            dist.all_reduce(squares, group=self.mesh["pp"].get_group())
+        total = squares.sqrt()
+        groups: dict[Any, list[torch.Tensor]] = {}  # one fused multiply per mesh (FSDP x TP mixes 1-D and 2-D)
+        for p in params:
+            if p.grad is not None:
+                groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+        return total
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def layout(self) -> dict[str, int]:
+        d = self.degrees
+        return {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp}
+
+    def describe(self) -> str:
+        d = self.degrees
+        text = (f"{d.world_size} processes: dp_shard {d.dp_shard} x dp_replicate {d.dp_replicate} x "
+                f"tp {d.tp} x pp {d.pp} ({dist.get_backend()})")
+        if d.pp > 1:
+            text += f"; {self.pp_schedule}: " + describe_stages(self.n_layers, d.pp, self.pp_schedule)
+        return text
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start(cfg: RunConfig, device: torch.device) -> Parallel | None:
+    """Join the job ``torchrun`` started; ``None`` for one process with the default section."""
+    pc, world = cfg.parallel, env_world_size()
+    if world == 1 and not dist.is_initialized() and (pc.tp, pc.pp, pc.dp_replicate) == (1, 1, 1) \
+            and pc.dp_shard in (-1, 1):
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else world
+    degrees = resolve_degrees(pc, world)
+    check_tp(cfg.model, degrees.tp)
+    owns = not dist.is_initialized()
+    device = local_device(device)
+    mesh = init_mesh(degrees, device)
+    return Parallel(degrees=degrees, mesh=mesh, device=device, owns_group=owns, pp_schedule=pc.pp_schedule,
+                    n_layers=cfg.model.n_layers)
+
+
+def parallelize(model: nn.Module, cfg: RunConfig, par: Parallel | None) -> tuple[nn.Module, nn.Module]:
+    """Wrap the finished ``model`` (pipeline stages, TP, activation checkpointing, compile,
+    FSDP/DDP). Returns the module holding this rank's parameters (the whole model but under
+    pipeline parallelism) and the module to call for the forward pass."""
+    tc = cfg.train
+    if par is None:
+        apply_activation_checkpointing(model, tc.activation_checkpointing)
+        return model, (torch.compile(model) if tc.compile else model)
+    d, pc = par.degrees, cfg.parallel
+    roots = [model]  # the modules whose forward the training step calls
+    if d.pp > 1:
+        n_micro = pc.pp_microbatches or 2 * d.pp
+        check_microbatches(tc.batch_size // d.dp, n_micro)
+        model = build_pipeline(model, par, pc.pp_schedule, n_micro)
+        roots = model.stages
+    if d.tp > 1:
+        par.rows = apply_tp(model, par.mesh["tp"], d.tp)
+    apply_activation_checkpointing(model, tc.activation_checkpointing)
+    if tc.compile:
+        for block in blocks_of(model):  # per block, in place: names stay, FSDP wraps compiled blocks
+            block.compile()
+    fwd_model = model
+    if d.dp_shard > 1 or (d.dp_replicate > 1 and (d.tp > 1 or d.pp > 1)):
+        dims = ("dp_replicate", "dp_shard") if d.dp_replicate > 1 else ("dp_shard",)
+        apply_fsdp(model, par.mesh[dims], tc.precision, roots)
+    elif d.dp_replicate > 1:
+        fwd_model = apply_ddp(model, par.mesh["dp_replicate"])
+    if d.pp > 1:
+        par.pipeline = Pipeline(par, model, pc.pp_schedule, n_micro)
+    return model, fwd_model
+
+
+def check_microbatches(rows: int, n_micro: int) -> None:
+    if rows < n_micro:
+        raise UsageError(f"parallel.pp_microbatches={n_micro}: each data-parallel rank has {rows} rows per batch; "
+                         f"expected train.batch_size / (dp_shard * dp_replicate) >= pp_microbatches")
+
+
+def on_main(par: Parallel | None, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0 alone (owning the run directory, say); if it raises a usage or file
+    error there, every rank raises one, so no rank waits for a collective that never comes."""
+    if par is None:
+        return fn()
+    result, error = None, None
+    if par.is_main:
+        try:
+            result = fn()
+        except (UsageError, OSError) as e:
+            error = e
+    message = [None if error is None else str(error)]
+    dist.broadcast_object_list(message, src=0)
+    if error is not None:
+        raise error
+    if message[0] is not None:
+        raise UsageError(f"rank 0: {message[0]}")
+    return result
+
+
+def loss_total(par: Parallel | None, total: torch.Tensor) -> torch.Tensor:
+    """The global batch's summed loss from each data-parallel rank's share."""
+    return total if par is None else par.sum_over(total)
+
+
+__all__ = ["Parallel", "start", "parallelize", "loss_total"]

@@ -1,0 +1,44 @@
+"""Running a function on N gloo processes (spawned, one thread each) for the parallel tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable, *args: Any) -> None:
+    """``fn(rank, *args)`` on ``world`` processes joined in one gloo group (``spawn``, never ``fork``)."""
+    mp.start_processes(_worker, args=(world, free_port(), fn, args), nprocs=world, start_method="spawn")
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    Path(path).write_text(json.dumps(data), encoding="utf-8")
+
+
+def read_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text(encoding="utf-8"))

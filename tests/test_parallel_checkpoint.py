@@ -1,0 +1,68 @@
+"""Sharded checkpoints: written at one world size and layout, resumed at another, the run
+continues as if uninterrupted; the consolidated weights load on one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockformer.parallel.checkpoint import DCP_DIR
+from blockformer.train.checkpoint import load_checkpoint
+from blockformer.train.loop import train
+
+from parallel_helpers import read_json, run_ranks, write_json
+from test_parallel_dp import assert_same_run, lm_config, reference
+
+QUIET = {"log": lambda *a: None}
+
+
+def _resume_on_rank(rank: int, tmp: str, jobs) -> None:
+    tmp = Path(tmp)
+    for out, overrides, stop_at, resume in jobs:
+        cfg = lm_config(tmp, "train.steps=4", *overrides)
+        result = train(cfg, tmp / out, stop_at=stop_at, resume=tmp / out if resume else None, **QUIET)
+        if rank == 0:
+            write_json(tmp / f"{out}-{'resumed' if resume else 'first'}.json", result.losses)
+
+
+def test_checkpoints_move_between_one_and_two_processes(tmp_path):
+    ref = reference("lm", tmp_path, "train.steps=4")
+    # one process writes a checkpoint at step 2; two tensor-parallel ranks resume it
+    first = train(lm_config(tmp_path, "train.steps=4"), tmp_path / "one", stop_at=2, **QUIET)
+    torch.testing.assert_close(torch.tensor(first.losses), torch.tensor(ref[:2]), rtol=1e-5, atol=0)
+    run_ranks(2, _resume_on_rank, str(tmp_path), [
+        ("one", ["parallel.tp=2"], None, True),
+        ("two", ["parallel.dp_shard=2"], 2, False),  # two FSDP ranks write one at step 2 ...
+        ("same", ["parallel.dp_shard=2"], 2, False),  # and resume another on the same layout
+        ("same", ["parallel.dp_shard=2"], None, True),
+    ])
+    assert_same_run(tmp_path, "same", ref[2:], read_json(tmp_path / "same-resumed.json"), step=4)
+    assert_same_run(tmp_path, "one", ref[2:], read_json(tmp_path / "one-resumed.json"), step=4)
+    ckpt = tmp_path / "two" / "step-000002"
+    assert (ckpt / DCP_DIR / ".metadata").is_file() and not list((tmp_path / "two").glob(".step-*"))
+    # ... which one process resumes
+    resumed = train(lm_config(tmp_path, "train.steps=4"), tmp_path / "two", resume=tmp_path / "two", **QUIET)
+    assert_same_run(tmp_path, "two", ref[2:], resumed.losses, step=4)
+
+
+@pytest.mark.slow
+def test_four_ranks_resume_on_two_with_another_layout(tmp_path):
+    ref = reference("lm", tmp_path, "train.steps=4")
+    run_ranks(4, _resume_on_rank, str(tmp_path), [("four", ["parallel.tp=2"], 2, False)])  # FSDP x TP
+    run_ranks(2, _resume_on_rank, str(tmp_path), [("four", ["parallel.dp_replicate=2"], None, True)])
+    torch.testing.assert_close(torch.tensor(read_json(tmp_path / "four-first.json")), torch.tensor(ref[:2]),
+                               rtol=1e-5, atol=0)
+    assert_same_run(tmp_path, "four", ref[2:], read_json(tmp_path / "four-resumed.json"), step=4)
+
+
+def test_consolidated_weights_give_the_same_logits_on_one_process(tmp_path):
+    """model.safetensors of a 2-rank tensor-parallel run, in the model's own row order."""
+    run_ranks(2, _resume_on_rank, str(tmp_path), [("tp", ["parallel.tp=2", "train.steps=2"], None, False)])
+    ckpt = load_checkpoint(tmp_path / "tp" / "step-000002")
+    plain = train(lm_config(tmp_path, "train.steps=2"), tmp_path / "ref", **QUIET)
+    ref = load_checkpoint(plain.checkpoint)
+    tokens = torch.randint(1, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ckpt.model(tokens), ref.model(tokens), rtol=1e-4, atol=1e-5)

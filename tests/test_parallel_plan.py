@@ -1,0 +1,63 @@
+"""The parallel planner's figures for the Llama-like 7B preset, checked against hand arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blockformer.cli import main
+from blockformer.errors import UsageError
+from blockformer.parallel.plan import plan
+from blockformer.run_config import load_run_config
+
+P_7B = 6_738_415_616  # Llama 2 7B: 32 x (4 * 4096^2 + 3 * 4096 * 11008 + 2 * 4096) + 2 * 32000 * 4096 + 4096
+NORMS_7B = (2 * 32 + 1) * 4096  # RMSNorm gains: the only parameters tensor parallelism replicates here
+GIB = 2**30
+
+
+def test_fsdp_over_8_ranks_divides_the_7b_state_by_8():
+    p = plan(load_run_config(preset="llama-7b"), 8)
+    assert p["parameters"] == P_7B
+    assert p["parameters_per_rank"] == P_7B / 8
+    mem = p["memory_bytes"]
+    assert mem["weights"] == mem["gradients"] == 4 * P_7B / 8 and mem["optimizer"] == 8 * P_7B / 8
+    s, b, h, V = 4096, 64 / 8, 4096, 32000
+    # full checkpointing: each block's bf16 input, one block recomputed (10 + 24 = 34 bytes per s*b*h), fp32 logits
+    assert mem["activations"] == pytest.approx(2 * s * b * h * 32 + 34 * s * b * h + 8 * s * b * V)
+    comm = p["comm_bytes_per_step"]
+    assert comm["fsdp_all_gather"] == pytest.approx(2 * 2 * P_7B * 7 / 8)  # bf16, forward and backward
+    assert comm["fsdp_reduce_scatter"] == pytest.approx(4 * P_7B * 7 / 8)  # fp32 gradients
+
+
+def test_tensor_parallel_splits_all_but_the_norms():
+    p = plan(load_run_config(preset="llama-7b", overrides=["parallel.tp=2", "train.activation_checkpointing=none"]), 2)
+    assert p["parameters_per_rank"] == (P_7B - NORMS_7B) / 2 + NORMS_7B
+    s, b, h = 4096, 64, 4096
+    assert p["memory_bytes"]["activations"] == pytest.approx(32 * s * b * h * (10 + 24 / 2) + 8 * s * b * 32000)
+    # 4 all-reduces of (b, s, h) bf16 per block (2 forward, 2 backward), 1 for the embedding
+    assert p["comm_bytes_per_step"]["tp_all_reduce"] == pytest.approx((4 * 32 + 1) * 2 * b * s * h * 2 * 1 / 2)
+
+
+def test_pipeline_stages_hold_their_blocks():
+    cfg = load_run_config(preset="llama-7b", overrides=["parallel.pp=2"])
+    p = plan(cfg, 2)
+    block = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
+    assert p["parameters_per_rank"] == 16 * block + 32000 * 4096 + 4096  # the last stage: 16 blocks + head + norm
+
+
+def test_world_size_must_fit_the_mesh():
+    with pytest.raises(UsageError, match="does not divide the world size 6"):
+        plan(load_run_config(preset="llama-7b", overrides=["parallel.tp=4"]), 6)
+    with pytest.raises(UsageError, match="model.n_kv_heads=8: expected a multiple of parallel.tp=16"):
+        plan(load_run_config(preset="llama-1b", overrides=["parallel.tp=16"]), 16)
+
+
+def test_info_prints_the_plan(capsys):
+    assert main(["info", "--preset", "llama-7b", "--world-size", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"]["parameters_per_rank"] == P_7B / 8
+    assert main(["info", "--preset", "llama-7b", "--world-size", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "mesh         8 ranks: pp 1 x dp_replicate 1 x dp_shard 8 x tp 1" in text
+    assert "memory/rank  33.37 GiB: weights 3.14 GiB, gradients 3.14 GiB, AdamW 6.28 GiB" in text

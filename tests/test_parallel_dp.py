@@ -28,7 +28,7 @@ def lm_config(tmp: Path, *overrides: str):
         "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn=swiglu",
         "model.max_seq_len=32", "train.batch_size=4", "train.grad_accum=2", "train.steps=3",
         "train.warmup=1", "train.lr=1e-3", "train.eval_every=0", "train.eval_batches=2",
-        "train.progress=false", "train.log_every=1", "model.bias=false", *overrides,
+        "train.progress=false", "train.log_every=1", "model.bias=false", "train.precision=fp32", *overrides,
     ])
 
 
@@ -40,7 +40,7 @@ def copy_config(*overrides: str):
         "model.d_model=32", "model.n_layers=1", "model.n_heads=4", "model.d_ff=64", "train.batch_size=6",
         "train.steps=3", "train.warmup=1", "train.eval_every=0", "train.eval_batches=1",
         "train.eval_samples=4", "data.heldout=20", "train.progress=false", "train.log_every=1",
-        "model.bias=false", *overrides,
+        "model.bias=false", "train.precision=fp32", *overrides,
     ])
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from ..errors import UsageError
-from ..models.base import default_positions
+from ..models.base import TransformerModel, default_positions
 from ..nn.stack import Stack
 from ..train.loss import token_loss
 from ..train.precision import autocast
@@ -78,6 +78,9 @@ class Stage(nn.Module):
         self.decoder = _StackPart(model.decoder, {i: model.decoder.blocks[i] for i in range(first, last)},
                                   final=last == n_layers)
         self.head = model.head if last == n_layers else None
+        self.head_transform = model.head_transform if last == n_layers else None
+
+    _logits = TransformerModel._logits  # the model's own way from hidden states to logits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) on the first stage, else the residual stream (B, T, d_model)."""
@@ -88,7 +91,7 @@ class Stage(nn.Module):
             h = block(h, ctx, None)
         if self.head is None:
             return h
-        return self.head(self.decoder.final_norm(h))
+        return self._logits(self.decoder.final_norm(h))
 
 
 class PipelineRank(nn.Module):
@@ -104,7 +107,7 @@ class PipelineRank(nn.Module):
             self.embed = stages[0].embed
         self.decoder = _StackPart(model.decoder, blocks, final=last is not None)
         if last is not None:
-            self.head = last.head
+            self.head, self.head_transform = last.head, last.head_transform
         self.stages = stages  # a plain list: the stages' modules are registered above, once
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..run_config import RunConfig
+from ..run_config import RunConfig, TrainConfig
 from .activation import apply_activation_checkpointing
 from .data import shard_batch
 from .fsdp import apply_ddp, apply_fsdp, blocks_of
@@ -127,11 +127,14 @@ def start(cfg: RunConfig, device: torch.device) -> Parallel | None:
                     n_layers=cfg.model.n_layers)
 
 
-def parallelize(model: nn.Module, cfg: RunConfig, par: Parallel | None) -> tuple[nn.Module, nn.Module]:
+def parallelize(
+    model: nn.Module, cfg: RunConfig, par: Parallel | None, train: TrainConfig | None = None
+) -> tuple[nn.Module, nn.Module]:
     """Wrap the finished ``model`` (pipeline stages, TP, activation checkpointing, compile,
     FSDP/DDP). Returns the module holding this rank's parameters (the whole model but under
-    pipeline parallelism) and the module to call for the forward pass."""
-    tc = cfg.train
+    pipeline parallelism) and the module to call for the forward pass. ``train`` overrides
+    ``cfg.train`` (the loop's, with ``precision = "auto"`` resolved)."""
+    tc = train or cfg.train
     if par is None:
         apply_activation_checkpointing(model, tc.activation_checkpointing)
         return model, (torch.compile(model) if tc.compile else model)

@@ -136,7 +136,7 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
         load_weights(model, resume, device)
         if par is not None or "optimizer" not in state:  # another layout wrote it, or will read it
             full_optim = full_optimizer_state(model, cfg, resume, state)
-    model, fwd_model = parallel.parallelize(model, cfg, par)  # model: this rank's parameters
+    model, fwd_model = parallel.parallelize(model, cfg, par, tc)  # model: this rank's parameters
     optimizer = build_optimizer(model, tc, lr_scale(model, cfg))
     scheduler = build_scheduler(optimizer, tc, cfg.model.d_model)
     scaler = grad_scaler(tc.precision, device)

@@ -43,13 +43,3 @@ def shard_batch(batch: Any, rank: int, n: int) -> Any:
         parts = {f.name: getattr(batch, f.name)[rows] for f in dataclasses.fields(batch) if f.name != "num_tokens"}
         return Seq2SeqBatch(**parts)
     return tuple(t[rows] for t in batch)
-
-
-def split_microbatches(batch: Any, n: int) -> list[Any]:
-    """``batch`` cut into ``n`` consecutive micro-batches (for the pipeline schedules)."""
-    return [shard_batch(batch, i, n) for i in range(n)] if n > 1 else [batch]
-
-
-def check_divisible(batch_size: int, n: int, what: str) -> None:
-    if batch_size % n:
-        raise UsageError(f"train.batch_size={batch_size}: expected a multiple of {what}={n}")

@@ -23,6 +23,10 @@ EXTRA = {
     "original-base": ["data.src={src}", "data.tgt={tgt}", "data.vocab_size=300", "train.max_tokens=400"],
     "stdlib-mlm": ["data.text={corpus}", "train.batch_size=4"],
     "stdlib-packages": ["data.labels={labels}", "data.val_labels={labels}", "train.batch_size=4"],
+    "llama-1b": ["data.text={corpus}", "data.vocab_size=300", "data.seq_len=32", "model.max_seq_len=256",
+                 "model.n_kv_heads=1", "train.batch_size=4", "train.sample_tokens=20"],
+    "llama-7b": ["data.text={corpus}", "data.vocab_size=300", "data.seq_len=32", "model.max_seq_len=256",
+                 "model.n_kv_heads=2", "train.batch_size=4", "train.sample_tokens=20"],
 }
 
 

@@ -8,7 +8,7 @@ heaviest stage is reported), then everything split over ``dp_shard`` by FSDP.
 
 Memory per rank, in bytes (``P`` = this rank's parameters after TP and PP):
 - weights ``4P / dp_shard`` and gradients ``4P / dp_shard`` (fp32 master copies; bf16/fp16
-  only inside autocast), AdamW moments ``8P / dp_shard``; FSDP also holds one block's
+  only inside autocast; ``precision = "auto"`` is planned as bf16, which every current GPU has), AdamW moments ``8P / dp_shard``; FSDP also holds one block's
   gathered weights (in the compute dtype) at a time, and the next one prefetched;
 - activations per block, in the compute dtype's bytes ``e`` per value (Korthikanti et al.
   2022, eq. 2 without sequence parallelism, for ``s`` tokens, ``b`` rows, width ``h``,
@@ -129,7 +129,7 @@ def plan(cfg: RunConfig, world_size: int, batch_size: int | None = None, seq_len
     worst = max(range(d.pp), key=lambda r: per_rank[r])
     P = per_rank[worst]
     layers_here = sum(bounds[st][1] - bounds[st][0] for st in rank_stages[worst])
-    e = 2 if tc.precision in ("bf16", "fp16") else 4
+    e = 4 if tc.precision == "fp32" else 2  # "auto": bf16 on the GPUs a plan is for
     shard = d.dp_shard
     fsdp = d.dp_shard > 1 or (d.dp_replicate > 1 and (d.tp > 1 or d.pp > 1))
     biggest_block = max(sp / d.tp + rp for sp, rp in zip(c.block_split, c.block_replicated))

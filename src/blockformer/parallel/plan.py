@@ -8,8 +8,9 @@ heaviest stage is reported), then everything split over ``dp_shard`` by FSDP.
 
 Memory per rank, in bytes (``P`` = this rank's parameters after TP and PP):
 - weights ``4P / dp_shard`` and gradients ``4P / dp_shard`` (fp32 master copies; bf16/fp16
-  only inside autocast; ``precision = "auto"`` is planned as bf16, which every current GPU has), AdamW moments ``8P / dp_shard``; FSDP also holds one block's
-  gathered weights (in the compute dtype) at a time, and the next one prefetched;
+  only inside autocast; ``precision = "auto"`` is planned as bf16, which every current GPU
+  has), AdamW moments ``8P / dp_shard``; FSDP also holds one block's gathered weights (in
+  the compute dtype) at a time, and the next one prefetched;
 - activations per block, in the compute dtype's bytes ``e`` per value (Korthikanti et al.
   2022, eq. 2 without sequence parallelism, for ``s`` tokens, ``b`` rows, width ``h``,
   ``a`` heads): ``e/2 * s*b*h * (10 + 24/tp + 5*a*s/(h*tp))``, the ``5as/h`` term only

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from blockformer.cli import main
 from blockformer.parallel.checkpoint import DCP_DIR
@@ -44,3 +45,13 @@ def test_a_parallel_section_needs_a_matching_world(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "parallel: dp_replicate=1 x tp=2 x pp=1 = 2 does not divide the world size 1" in err
     assert "torchrun --nproc_per_node=N" in err
+
+
+def test_task_heads_and_lora_are_refused_in_parallel():
+    from blockformer.parallel import start  # noqa: PLC0415
+    from blockformer.errors import UsageError  # noqa: PLC0415
+    from blockformer.run_config import load_run_config  # noqa: PLC0415
+
+    for extra in ("head.task=classify", "lora.rank=4"):
+        with pytest.raises(UsageError, match="task heads and LoRA adapters train on one process"):
+            start(load_run_config(overrides=["parallel.tp=2", extra]), torch.device("cpu"))

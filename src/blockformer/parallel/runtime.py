@@ -117,6 +117,10 @@ def start(cfg: RunConfig, device: torch.device) -> Parallel | None:
     if world == 1 and not dist.is_initialized() and (pc.tp, pc.pp, pc.dp_replicate) == (1, 1, 1) \
             and pc.dp_shard in (-1, 1):
         return None
+    head, lora = getattr(cfg, "head", None), getattr(cfg, "lora", None)
+    if (head is not None and head.task != "none") or (lora is not None and lora.rank > 0):
+        raise UsageError("parallel: task heads and LoRA adapters train on one process; expected head.task='none' "
+                         "and lora.rank=0 with a [parallel] layout or torchrun")
     world = dist.get_world_size() if dist.is_initialized() else world
     degrees = resolve_degrees(pc, world)
     check_tp(cfg.model, degrees.tp)

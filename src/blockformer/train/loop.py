@@ -29,7 +29,7 @@ import torch
 
 from ..errors import UsageError
 from ..run_config import RunConfig
-from ..stats import count_parameters
+from ..stats import count_parameters, flops_per_token
 from .checkpoint import (
     best_checkpoint,
     load_trainer_state,
@@ -48,6 +48,7 @@ from .precision import autocast, check_precision, describe_precision, grad_scale
 from .run_dir import RunLock, clear_previous_run, main_process, prepare
 from .schedule import build_scheduler
 from .setup import Objective, build_run
+from .throughput import format_flops, peak_flops, utilisation
 
 
 @dataclass
@@ -130,6 +131,11 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
         f"{count_parameters(model, trainable_only=True) / 1e6:.3f}M trainable) on {device} "
         f"in {describe_precision(requested, tc.precision, device)}, {tc.steps} steps -> {run_dir}"
     )
+    # MFU: the model's FLOPs at the achieved rate over this machine's measured matmul peak.
+    flops_tok = flops_per_token(cfg.model, cfg.data.seq_len if cfg.model.arch == "decoder" else None)
+    peak = peak_flops(device, tc.precision)
+    log(f"throughput: {flops_tok:.3g} training FLOPs per token; {tc.precision} matmul peak of this machine "
+        f"{format_flops(peak)} (`blockformer info --peak` measures it again)")
 
     def save(val: dict[str, float] | None) -> Path:
         nonlocal best_loss
@@ -154,7 +160,7 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
     stopper = _Stopper()
     bar = _progress(tc, step, last_stop)
     pending: list[torch.Tensor] = []
-    t0, tokens_seen = time.perf_counter(), 0
+    t0, tokens_seen, targets_seen = time.perf_counter(), 0, 0
     params = [p for p in model.parameters() if p.requires_grad]
     deadline = time.monotonic() + 60 * tc.max_minutes if tc.max_minutes else float("inf")
     with stopper:
@@ -179,20 +185,25 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
             pending.append(loss)
             scheduler.step()
             step += 1
-            tokens_seen += sum(objective.count_tokens(b) for b in batches)
+            tokens_seen += sum(objective.count_tokens(b) for b in batches)  # host ints: no sync
+            targets_seen += sum(objective.count_targets(b) for b in batches)
             if bar is not None:
                 bar.update(1)
             if step % tc.log_every == 0 or step == last_stop:
                 losses = torch.stack(pending).tolist()
                 pending.clear()
                 result.losses.extend(losses)
-                tok_s = tokens_seen / max(time.perf_counter() - t0, 1e-9)
+                elapsed = max(time.perf_counter() - t0, 1e-9)
+                tok_s = tokens_seen / elapsed
+                util = utilisation(flops_tok, targets_seen, elapsed, peak)
                 finite = [x for x in losses if math.isfinite(x)]  # skipped steps (train.nonfinite=skip) are nan
                 loss = sum(finite) / len(finite) if finite else float("nan")  # the mean since the last log
-                metrics.write({"split": "train", "step": step, "loss": loss, "lr": lr, "tokens_per_s": tok_s})
+                metrics.write({"split": "train", "step": step, "loss": loss, "lr": lr, "tokens_per_s": tok_s,
+                               **util})
                 if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
-                t0, tokens_seen = time.perf_counter(), 0
+                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}",
+                                    mfu=f"{100 * util.get('mfu', 0):.1f}%")
+                t0, tokens_seen, targets_seen = time.perf_counter(), 0, 0
             if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
                 t_eval = time.perf_counter()
                 result.val = _evaluate(objective, model, tc, device, step, metrics, bar, log)

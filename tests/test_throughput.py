@@ -20,6 +20,12 @@ def test_measured_fp32_peak_is_a_plausible_rate():
     assert 1e8 < peak < 1e14  # between 0.1 GFLOP/s and 100 TFLOP/s on any CPU
 
 
+def test_measuring_the_peak_leaves_the_global_random_state_alone():
+    state = torch.get_rng_state()
+    measure_peak(torch.device("cpu"), torch.float32, budget_s=0.0, repeats=1)
+    assert torch.equal(torch.get_rng_state(), state)  # else a run would train differently on a cold cache
+
+
 def test_peak_is_cached_per_machine_and_precision_and_refreshed_on_request(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(throughput, "measure_peak", lambda device, dtype: calls.append(dtype) or 1e9 * len(calls))

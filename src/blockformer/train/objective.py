@@ -78,6 +78,8 @@ class LanguageModelling(Objective):
 
     def next_batch(self) -> LMBatch:
         x, y = self.train.sample(self.batch_size, self.generator)
+        if self.device.type == "cuda":  # pinned: the copy is asynchronous, the CPU runs ahead
+            x, y = x.pin_memory(), y.pin_memory()
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def loss(self, model: nn.Module, batch: LMBatch, label_smoothing: float = 0.0) -> torch.Tensor:
@@ -132,7 +134,7 @@ class Seq2Seq(Objective):
         return batch.num_tokens
 
     def count_tokens(self, batch: Seq2SeqBatch) -> int:
-        return batch.num_tokens + int(batch.src_mask.sum())
+        return batch.num_tokens + batch.num_src_tokens  # counted on the CPU: no sync
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, cfg: TrainConfig) -> dict[str, float]:

@@ -43,9 +43,18 @@ def param_groups(
 def build_optimizer(
     model: nn.Module, cfg: TrainConfig, lr_scale: Callable[[str], float] | None = None
 ) -> torch.optim.AdamW:
-    """AdamW over ``param_groups``; fused on CUDA, where the single kernel is faster.
-    ``lr_scale``: a parameter name's multiplier of ``cfg.lr`` (fine-tuning)."""
-    fused = {"fused": True} if next(model.parameters()).is_cuda else {}
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay, lr_scale, cfg.lr), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **fused
-    )
+    """AdamW over ``param_groups``, as one fused kernel over all parameters where torch has
+    one for the device (CUDA; CPU since torch 2.4), else the multi-tensor (foreach) path.
+    Neither waits for the device during a step. ``lr_scale``: a parameter name's multiplier
+    of ``cfg.lr`` (fine-tuning)."""
+    kind = "fused" if fused_available(next(model.parameters()).device) else "foreach"
+    groups = param_groups(model, cfg.weight_decay, lr_scale, cfg.lr)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **{kind: True})
+
+
+def fused_available(device: torch.device) -> bool:
+    """Whether ``torch.optim.AdamW(fused=True)`` runs on ``device`` with this torch."""
+    if device.type == "cuda":
+        return True
+    version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    return device.type == "cpu" and version >= (2, 4)

@@ -29,9 +29,10 @@ def measure_peak(device: torch.device, dtype: torch.dtype, *, budget_s: float = 
     """Best matmul FLOP/s of ``device`` in ``dtype``: square ``n x n`` products for growing
     ``n`` until one takes longer than ``budget_s`` (larger matrices use the units better)."""
     best = 0.0
+    g = torch.Generator().manual_seed(0)  # its own stream: a run's random state stays untouched
     for n in _CUDA_SIZES if device.type == "cuda" else _CPU_SIZES:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
+        a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+        b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
         _sync(device)
         t0 = time.perf_counter()
         a @ b  # warm-up (kernel selection, first-touch)

@@ -41,6 +41,7 @@ from .checkpoint import (
     step_checkpoints,
     step_dir_name,
 )
+from .compile import LossFn, compile_loss
 from .metrics import MetricsLog, perplexity, plot_losses
 from .finetune import lr_scale
 from .optim import build_optimizer
@@ -125,7 +126,7 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.to_toml(run_dir / "config.toml")
     metrics = MetricsLog(run_dir, resume_step=step if state is not None else None)
-    fwd_model = torch.compile(model) if tc.compile else model
+    loss_fn = compile_loss(objective) if tc.compile else None  # model + loss, one static graph
     log(
         f"training {cfg.model.arch} ({count_parameters(model) / 1e6:.2f}M parameters, "
         f"{count_parameters(model, trainable_only=True) / 1e6:.3f}M trainable) on {device} "
@@ -167,8 +168,8 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
         while step < last_stop and not stopper.requested and time.monotonic() < deadline:
             batches = [objective.next_batch() for _ in range(tc.grad_accum)]
             lr = scheduler.get_last_lr()[0]
-            loss = train_step(fwd_model, objective, batches, optimizer, scaler, params, tc, device,
-                              check_finite=True)
+            loss = train_step(model, objective, batches, optimizer, scaler, params, tc, device,
+                              check_finite=True, loss_fn=loss_fn)
             if loss is None:  # non-finite: no update was made
                 if tc.nonfinite == "stop":
                     last = step_checkpoints(run_dir)
@@ -233,17 +234,20 @@ def train_step(
     tc: Any,
     device: torch.device,
     check_finite: bool = False,
+    *,
+    loss_fn: LossFn | None = None,
 ) -> torch.Tensor | None:
     """One optimizer update from ``batches`` (the micro-batches of gradient accumulation),
     each weighted by its share of the target tokens; returns the mean loss per token.
     With ``check_finite``, a NaN or infinite loss makes no update and returns None (one
-    host sync per step)."""
+    host sync per step). ``loss_fn`` replaces ``objective.loss`` (the compiled one, under
+    ``train.compile``)."""
     model.train()
     n_targets = sum(objective.count_targets(b) for b in batches)
     total = torch.zeros((), device=device)
     for batch in batches:
         with autocast(tc.precision, device):
-            loss_sum = objective.loss(model, batch, tc.label_smoothing)
+            loss_sum = (loss_fn or objective.loss)(model, batch, tc.label_smoothing)
         scaler.scale(loss_sum / n_targets).backward()
         total += loss_sum.detach()
     if check_finite and not bool(torch.isfinite(total)):

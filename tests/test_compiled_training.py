@@ -68,8 +68,8 @@ def test_padding_a_batch_to_its_bucket_shape_leaves_the_loss_unchanged():
     padded = pad_to_shape(batch, rows=5, length=16)
     assert padded.src.shape == padded.tgt_in.shape == (5, 16)
     assert (padded.num_tokens, padded.num_src_tokens) == (batch.num_tokens, batch.num_src_tokens)
-    loss = token_loss(model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask), batch.tgt_out)
-    loss_padded = token_loss(model(padded.src, padded.tgt_in, padded.src_mask, padded.tgt_mask), padded.tgt_out)
+    loss = token_loss(model(batch.src, batch.tgt_in, src_mask=batch.src_mask, tgt_mask=batch.tgt_mask), batch.tgt_out)
+    loss_padded = token_loss(model(padded.src, padded.tgt_in, src_mask=padded.src_mask, tgt_mask=padded.tgt_mask), padded.tgt_out)
     torch.testing.assert_close(loss_padded, loss, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(loss_padded)
 

@@ -45,11 +45,34 @@ def test_a_training_step_never_reads_a_device_value_on_the_host(tmp_path, monkey
     for _ in range(3):  # what the loop does between two log steps
         batches = [objective.next_batch(), objective.next_batch()]  # built on the host, then moved
         with counted:
-            losses.append(train_step(run.model, objective, batches, optimizer, scaler, params, cfg.train, device))
+            losses.append(train_step(run.model, objective, batches, optimizer, scaler, params, cfg.train, device,
+                                     check_finite=True))  # as the loop calls it
             sum(objective.count_tokens(b) + objective.count_targets(b) for b in batches)
     assert counted.calls == []
     monkeypatch.undo()
     assert all(torch.isfinite(torch.stack(losses)).tolist())
+
+
+def test_a_nonfinite_loss_makes_no_update_and_no_host_sync(tmp_path, monkeypatch):
+    cfg = tiny_lm(tmp_path, "train.steps=4")
+    device = torch.device("cpu")
+    run = build_run(cfg, device, log=lambda *a: None)
+    model, objective = run.model, run.objective
+    optimizer, scaler = build_optimizer(model, cfg.train), grad_scaler("fp32", device)
+    params = list(model.parameters())
+    train_step(model, objective, [objective.next_batch()], optimizer, scaler, params, cfg.train, device)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v.clone() for k, v in optimizer.state[params[0]].items()}
+    monkeypatch.setattr(type(objective), "loss", lambda self, m, b, ls=0.0: m(b[0]).sum() * float("nan"))
+    batch = objective.next_batch()
+    with HostSyncs() as counted:
+        loss = train_step(model, objective, [batch], optimizer, scaler, params, cfg.train, device, check_finite=True)
+    assert counted.calls == []
+    assert loss is not None and not torch.isfinite(loss)  # reported, read at the next log step
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # the fused step left the weights alone
+    for k, v in optimizer.state[params[0]].items():
+        assert torch.equal(v, state[k]), k  # and its moments and step count
 
 
 def test_adamw_is_fused_where_torch_has_the_kernel():

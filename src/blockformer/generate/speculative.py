@@ -29,7 +29,7 @@ from torch import nn
 
 from ..errors import UsageError
 from .batching import PAD_ID
-from .decoder import OnToken, StopFn, _check_count, _check_length, _prompt_batch
+from .decoder import OnToken, StopFn, _check_count, _check_prompt_ids, _prompt_batch, _window
 from .sampling import Sampling, process_logits, sample
 from .step import cache_dtype, eval_mode, model_device
 
@@ -83,9 +83,15 @@ def speculative_generate(
     tokens, mask = _prompt_batch(prompts, attention_mask, pad_id, device)
     B, P = tokens.shape
     N = max_new_tokens
+    _check_prompt_ids(target, tokens, mask)
     longest = int(mask.sum(dim=1).max()) + N
-    _check_length(target, longest)
-    _check_length(draft, longest)
+    for name, model in (("model", target), ("draft", draft)):
+        if _window(model, longest) is not None:  # plain generate slides a window; this needs the cache
+            raise UsageError(
+                f"max_new_tokens: prompt + new tokens = {longest} exceeds the {name}'s max_seq_len="
+                f"{model.cfg.max_seq_len} ({model.cfg.position} positions); expected at most that for "
+                "speculative decoding"
+            )
     if generator is None and seed is not None:
         generator = torch.Generator(device).manual_seed(seed)
     out: list[list[int]] = [[] for _ in range(B)]

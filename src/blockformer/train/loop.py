@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..models.checks import trusted_inputs
 from ..run_config import RunConfig
 from ..stats import count_parameters, flops_per_token
 from .checkpoint import (
@@ -160,7 +161,7 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
     last_stop = tc.steps if stop_at is None else min(stop_at, tc.steps)
     stopper = _Stopper()
     bar = _progress(tc, step, last_stop)
-    pending: list[torch.Tensor] = []
+    pending: list[tuple[int, torch.Tensor]] = []  # (step, loss on the device), read at log steps
     t0, tokens_seen, targets_seen = time.perf_counter(), 0, 0
     params = [p for p in model.parameters() if p.requires_grad]
     deadline = time.monotonic() + 60 * tc.max_minutes if tc.max_minutes else float("inf")
@@ -170,20 +171,9 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
             lr = scheduler.get_last_lr()[0]
             loss = train_step(model, objective, batches, optimizer, scaler, params, tc, device,
                               check_finite=True, loss_fn=loss_fn)
-            if loss is None:  # non-finite: no update was made
-                if tc.nonfinite == "stop":
-                    last = step_checkpoints(run_dir)
-                    raise NonFiniteLoss(
-                        f"train: the loss became NaN or infinite at step {step + 1}; stopped without "
-                        f"updating the weights. Last checkpoint: {last[-1] if last else 'none'}. Expected a "
-                        f"finite loss: lower train.lr (now {tc.lr:g}), raise train.warmup, or set "
-                        f"train.nonfinite=skip to skip such steps"
-                    )
-                result.skipped += 1
-                if result.skipped in (1, 10, 100) or result.skipped % 1000 == 0:
-                    log(f"step {step + 1}: non-finite loss, update skipped ({result.skipped} so far)")
-                loss = torch.full((), float("nan"), device=device)  # one loss per step, as always
-            pending.append(loss)
+            if loss is None:  # non-finite, seen on the host
+                loss = torch.full((), float("nan"), device=device)
+            pending.append((step + 1, loss))  # a non-finite one made no update; counted when read
             scheduler.step()
             step += 1
             tokens_seen += sum(objective.count_tokens(b) for b in batches)  # host ints: no sync
@@ -191,7 +181,7 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
             if bar is not None:
                 bar.update(1)
             if step % tc.log_every == 0 or step == last_stop:
-                losses = torch.stack(pending).tolist()
+                losses = _read(pending, step, tc, run_dir, result, log)
                 pending.clear()
                 result.losses.extend(losses)
                 elapsed = max(time.perf_counter() - t0, 1e-9)
@@ -206,12 +196,12 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
                                     mfu=f"{100 * util.get('mfu', 0):.1f}%")
                 t0, tokens_seen, targets_seen = time.perf_counter(), 0, 0
             if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
+                _read(pending, step, tc, run_dir, result, log, count=False)  # no checkpoint after a NaN
                 t_eval = time.perf_counter()
                 result.val = _evaluate(objective, model, tc, device, step, metrics, bar, log)
                 result.checkpoint = save(result.val)
                 t0 += time.perf_counter() - t_eval  # tokens/s counts training time only
-        if pending:
-            result.losses.extend(torch.stack(pending).tolist())
+        result.losses.extend(_read(pending, step, tc, run_dir, result, log))
         if result.checkpoint is None or not result.checkpoint.name.endswith(f"{step:06d}"):
             result.checkpoint = save(None)  # stopped between evaluations
     if bar is not None:
@@ -222,6 +212,32 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
     result.best = best_checkpoint(run_dir)
     plot_losses(run_dir)
     return result
+
+
+def _read(pending, step: int, tc, run_dir: Path, result: TrainResult, log: Any, count: bool = True) -> list[float]:
+    """The pending losses, read in one host sync. A non-finite one stops the run (before
+    anything is saved) or is counted as skipped; ``count=False`` only checks."""
+    values = torch.stack([loss for _, loss in pending]).tolist() if pending else []
+    bad = [s for (s, _), v in zip(pending, values) if not math.isfinite(v)]
+    if bad and (count or tc.nonfinite == "stop"):
+        _nonfinite(bad, step, tc, run_dir, result, log)
+    return values
+
+
+def _nonfinite(bad_steps: list[int], step: int, tc, run_dir: Path, result: TrainResult, log: Any) -> None:
+    """``train.nonfinite``: stop with the last checkpoint named, or count the skipped updates."""
+    if tc.nonfinite == "stop":
+        last = step_checkpoints(run_dir)
+        raise NonFiniteLoss(
+            f"train: the loss became NaN or infinite at step {bad_steps[0]}; that step made no update and "
+            f"the run stopped at step {step} without saving. Last checkpoint: {last[-1] if last else 'none'}. "
+            f"Expected a finite loss: lower train.lr (now {tc.lr:g}), raise train.warmup, or set "
+            f"train.nonfinite=skip to skip such steps"
+        )
+    for s in bad_steps:
+        result.skipped += 1
+        if result.skipped in (1, 10, 100) or result.skipped % 1000 == 0:
+            log(f"step {s}: non-finite loss, update skipped ({result.skipped} so far)")
 
 
 def train_step(
@@ -239,25 +255,36 @@ def train_step(
 ) -> torch.Tensor | None:
     """One optimizer update from ``batches`` (the micro-batches of gradient accumulation),
     each weighted by its share of the target tokens; returns the mean loss per token.
-    With ``check_finite``, a NaN or infinite loss makes no update and returns None (one
-    host sync per step). ``loss_fn`` replaces ``objective.loss`` (the compiled one, under
-    ``train.compile``)."""
+    With ``check_finite``, a NaN or infinite loss makes no update: fused AdamW skips it on
+    the device (its ``found_inf`` input, as ``GradScaler`` uses it) and the loss comes back
+    non-finite, with no host sync; otherwise the host checks and None comes back. ``loss_fn``
+    replaces ``objective.loss`` (the compiled one, under ``train.compile``)."""
     model.train()
     n_targets = sum(objective.count_targets(b) for b in batches)
     total = torch.zeros((), device=device)
     for batch in batches:
-        with autocast(tc.precision, device):
+        # The run's own tokenizer made these ids (< vocab_size by construction): the models'
+        # value checks would read them on the host, a device sync per micro-batch.
+        with autocast(tc.precision, device), trusted_inputs():
             loss_sum = (loss_fn or objective.loss)(model, batch, tc.label_smoothing)
         scaler.scale(loss_sum / n_targets).backward()
         total += loss_sum.detach()
-    if check_finite and not bool(torch.isfinite(total)):
+    on_device = check_finite and not scaler.is_enabled() and bool(optimizer.defaults.get("fused"))
+    if check_finite and not on_device and not bool(torch.isfinite(total)):
         optimizer.zero_grad(set_to_none=True)
         return None
     scaler.unscale_(optimizer)  # clip the true gradients (a no-op unless fp16)
     if tc.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-    scaler.step(optimizer)
-    scaler.update()
+    if on_device:
+        optimizer.grad_scale, optimizer.found_inf = None, (~torch.isfinite(total)).float()
+        try:
+            optimizer.step()  # the fused kernel leaves weights, moments and step count as they were
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+    else:
+        scaler.step(optimizer)
+        scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return total / n_targets
 

@@ -144,3 +144,26 @@ def test_greedy_rule_keeps_proposals_while_they_are_the_argmax():
     assert n.tolist() == [1] and nxt.tolist() == [0]
     n, nxt = speculative_accept(p, torch.zeros(1, 2, 2), torch.tensor([[1, 0]]), greedy=True)
     assert n.tolist() == [2] and nxt.tolist() == [1]
+
+
+def test_speculative_sampling_through_real_models_draws_the_targets_joint_distribution():
+    """Two new tokens for 6000 copies of one prompt: the (first, second) pairs follow the
+    target's p(a) p(b | a), computed directly, though the draft is another model."""
+    vocab = 6
+    target = make(0, vocab_size=vocab, init_std=0.15).eval()
+    draft = make(9, vocab_size=vocab, init_std=0.6, n_layers=1).eval()
+    prompt = [1, 2, 3]
+    out = speculative_generate(target, draft, [prompt] * 6000, 2, num_draft=1, seed=0)
+    pairs = torch.tensor([a * vocab + b for a, b in out.tokens])
+    with torch.no_grad():
+        p_a = target(torch.tensor([prompt]))[0, -1].softmax(-1)  # (V,)
+        seqs = torch.tensor([prompt + [a] for a in range(vocab)])
+        p_b = target(seqs)[:, -1].softmax(-1)  # (V, V): row a is p(b | a)
+    joint = (p_a[:, None] * p_b).reshape(-1)
+    counts = torch.bincount(pairs, minlength=vocab * vocab).double()
+    pvalue = float(chisquare(counts.numpy(), (joint.double() / joint.double().sum() * counts.sum()).numpy()).pvalue)
+    assert pvalue > 1e-3, pvalue
+    with torch.no_grad():
+        q_a = draft(torch.tensor([prompt]))[0, -1].softmax(-1)
+    assert (q_a - p_a).abs().sum() > 0.3  # the draft alone would be far off
+    assert 0.05 < out.acceptance_rate < 0.95

@@ -118,6 +118,7 @@ def _load_draft(args: argparse.Namespace, ckpt, device):
     if draft.config.model.arch != "decoder":
         raise UsageError(f"--draft {args.draft}: an {draft.config.model.arch} model; expected a decoder")
     probe = "The quick brown fox, 0123."
-    if draft.tokenizer.vocab_size != ckpt.tokenizer.vocab_size or draft.tokenizer.encode(probe) != ckpt.tokenizer.encode(probe):
+    same = draft.tokenizer.vocab_size == ckpt.tokenizer.vocab_size
+    if not same or draft.tokenizer.encode(probe) != ckpt.tokenizer.encode(probe):
         raise UsageError(f"--draft {args.draft}: its tokenizer differs from --checkpoint's; expected the same one")
     return prepare_for_decoding(draft.model, args.precision, args.quantize)

@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: data.seq_len (language modelling) or model.max_seq_len")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--peak", action="store_true",
-                        help="measure this machine's matmul peak FLOP/s in fp32 and bf16 (and cache it for MFU)")
+                        help="measure this machine's matmul peak FLOP/s in fp32 and bf16 (cached for MFU)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="for --peak")
 
 

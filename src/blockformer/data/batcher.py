@@ -59,7 +59,9 @@ class TokenBatcher:
         self.lengths = np.array([max(len(s), len(t)) + 1 for s, t in pairs])
         self.buckets = buckets
         # What packing counts per pair: its length, or its bucket's when shapes are fixed.
-        self.pack_lengths = np.array([bucket_of(n, buckets) for n in self.lengths]) if buckets else self.lengths
+        self.pack_lengths = self.lengths
+        if buckets:
+            self.pack_lengths = np.array([bucket_of(n, buckets) for n in self.lengths])
         longest = int(self.pack_lengths.max())
         if max_tokens < longest:
             raise UsageError(

@@ -132,7 +132,8 @@ def speculative_generate(
                 d_start += d_pending.shape[1]
                 d_pending = x[:, None]
             draft_ids = torch.stack(proposals, dim=1) if k else last[:, :0]  # (B, k)
-            p = _probs(run(target, t_cache, torch.cat([last, draft_ids], dim=1), pos), sampling)  # (B, k+1, V)
+            checked = torch.cat([last, draft_ids], dim=1)  # (B, k+1): the target scores them at once
+            p = _probs(run(target, t_cache, checked, pos), sampling)  # (B, k+1, V)
             stats.target_calls += 1
             q_all = torch.stack(q, dim=1) if k else p[:, :0]
             n_row, nxt = speculative_accept(p, q_all, draft_ids, greedy=sampling.greedy, generator=generator)

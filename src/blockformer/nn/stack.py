@@ -62,10 +62,10 @@ class Stack(nn.Module):
             causal = cache_pos[:, None] >= slots[None, :]  # (T, S): slots written so far
         bias = self.bias(positions, k_pos) if self.bias is not None else None  # (B, H, Tq, Tk)
         if cache is None and attention_mask is None and bias is None:
-            return AttnInputs(is_causal=self.causal, rope=rope)  # the fused kernel's own mask: no T x T tensor
+            return AttnInputs(is_causal=self.causal, rope=rope)  # the fused kernel's own mask: no (T, T)
         if cache is None:  # padding or a bias: the mask is materialised, (T, T)
-            T = positions.shape[1]
-            causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril() if self.causal else None
+            T, device = positions.shape[1], positions.device
+            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril() if self.causal else None
         return AttnInputs(mask=_combine(causal, k_valid, bias), rope=rope, cache=cache, cache_pos=cache_pos)
 
     def _cross_inputs(self, memory, memory_mask, cache) -> AttnInputs:

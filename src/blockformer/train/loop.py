@@ -214,7 +214,9 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite) ->
     return result
 
 
-def _read(pending, step: int, tc, run_dir: Path, result: TrainResult, log: Any, count: bool = True) -> list[float]:
+def _read(
+    pending, step: int, tc, run_dir: Path, result: TrainResult, log: Any, count: bool = True
+) -> list[float]:
     """The pending losses, read in one host sync. A non-finite one stops the run (before
     anything is saved) or is counted as skipped; ``count=False`` only checks."""
     values = torch.stack([loss for _, loss in pending]).tolist() if pending else []
@@ -230,7 +232,8 @@ def _nonfinite(bad_steps: list[int], step: int, tc, run_dir: Path, result: Train
         last = step_checkpoints(run_dir)
         raise NonFiniteLoss(
             f"train: the loss became NaN or infinite at step {bad_steps[0]}; that step made no update and "
-            f"the run stopped at step {step} without saving. Last checkpoint: {last[-1] if last else 'none'}. "
+            f"the run stopped at step {step} without saving. "
+            f"Last checkpoint: {last[-1] if last else 'none'}. "
             f"Expected a finite loss: lower train.lr (now {tc.lr:g}), raise train.warmup, or set "
             f"train.nonfinite=skip to skip such steps"
         )

@@ -169,7 +169,8 @@ def build_objective(
         task = make_task_for(data)
         batches = TaskBatches(task, tokenizer, tc.batch_size)
         val_batches = list(batches.heldout_batches())
-        return Seq2Seq(batches, val_batches, device, seed=tc.seed, task=task, tokenizer=tokenizer, buckets=buckets)
+        return Seq2Seq(batches, val_batches, device, seed=tc.seed, task=task, tokenizer=tokenizer,
+                       buckets=buckets)
     train_pairs, val_pairs = _split_pairs(read_pairs(data.src, data.tgt), data)
     max_len = cfg.model.max_seq_len - 1  # room for bos/eos
     batcher = TokenBatcher(encode_pairs(train_pairs, tokenizer), tc.max_tokens, shuffle=True, seed=tc.seed,

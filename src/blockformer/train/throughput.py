@@ -25,7 +25,9 @@ _CPU_SIZES = (256, 512, 1024, 2048)
 _CUDA_SIZES = (2048, 4096, 8192)
 
 
-def measure_peak(device: torch.device, dtype: torch.dtype, *, budget_s: float = 0.25, repeats: int = 3) -> float:
+def measure_peak(
+    device: torch.device, dtype: torch.dtype, *, budget_s: float = 0.25, repeats: int = 3
+) -> float:
     """Best matmul FLOP/s of ``device`` in ``dtype``: square ``n x n`` products for growing
     ``n`` until one takes longer than ``budget_s`` (larger matrices use the units better)."""
     best = 0.0
@@ -53,10 +55,13 @@ def machine_key(device: torch.device) -> str:
     host = socket.gethostname()
     if device.type == "cuda":
         return f"{host}|cuda|{torch.cuda.get_device_name(device)}"
-    return f"{host}|cpu|{_cpu_model()}|{torch.backends.cpu.get_cpu_capability()}|threads={torch.get_num_threads()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{host}|cpu|{_cpu_model()}|{capability}|threads={torch.get_num_threads()}"
 
 
-def peak_flops(device: torch.device, precision: str, *, refresh: bool = False, cache_dir: Path | None = None) -> float:
+def peak_flops(
+    device: torch.device, precision: str, *, refresh: bool = False, cache_dir: Path | None = None
+) -> float:
     """This machine's matmul peak for ``precision`` (``fp32``/``bf16``/``fp16``), from the
     per-machine cache, else measured and cached; ``refresh`` measures again."""
     path = (cache_dir or _default_cache_dir()) / PEAK_FILE

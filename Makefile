@@ -45,5 +45,17 @@ bench: install
 	$(PY) benchmarks/bench_finetune.py --threads 2
 	$(PY) benchmarks/bench_lora_lm.py --threads 2
 
+# The speed table of issue 12, one script at a time on a quiet machine (a GPU where there is one).
+bench-speed: install
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m blockformer info --peak
+	$(PY) benchmarks/bench_tinyshakespeare.py --threads 2 --precisions fp32 --compile
+	$(PY) benchmarks/bench_gpt2_train.py --threads 2 --compile
+	$(PY) benchmarks/bench_translate.py --threads 2 --max-minutes 15 --set train.compile=true --set train.progress=false
+	$(PY) benchmarks/bench_decode.py --threads 2 --dtype bf16 --skip nocache int8-cache int8-compiled int4-cache int4-compiled --repeats 3 --out benchmarks/results/decode-bf16-speculative.md
+	$(PY) benchmarks/bench_decode.py --threads 2 --dtype bf16 --batch 16 --skip nocache int8-cache int8-compiled int4-cache int4-compiled --out benchmarks/results/decode-bf16-batch16.md
+	$(PY) benchmarks/bench_long.py --threads 2
+	$(PY) benchmarks/profile_step.py --threads 2
+
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -1,8 +1,10 @@
-"""Greedy decode speed at batch 1: blockformer (no cache / cache / compiled step) against
-Hugging Face ``GPT2LMHeadModel.generate`` on the same shape, in the same run.
+"""Greedy decode speed: blockformer (no cache / cache / compiled step / quantized /
+speculative) against Hugging Face ``GPT2LMHeadModel.generate`` on the same shape, in the
+same run, at batch 1 or ``--batch`` prompts at once (throughput = batch x tokens / time).
 
     python benchmarks/bench_decode.py                      # GPT-2 small shape, 256 new tokens
     python benchmarks/bench_decode.py --dtype bf16 --threads 2
+    python benchmarks/bench_decode.py --dtype bf16 --batch 16 --skip nocache
     python benchmarks/bench_decode.py --layers 2 --d-model 128 --heads 4 --vocab 1000 --tokens 16  # smoke
 
 Both models have random weights (speed does not depend on them) and the GPT-2 shape:
@@ -22,19 +24,27 @@ variants store the matmul weights as int8 with per-channel scales (weight-only
 quantization, as gpt-fast does), so the step reads 4x fewer weight bytes than fp32; the
 ``int4-*`` variants (groups of 128 weights sharing a scale and offset) 8x fewer. On a GPU, where per-kernel launch overhead dominates at batch 1,
 the compiled step replayed as a CUDA graph is expected to be several times faster.
+
+``speculative`` decodes with a draft model (``generate.speculative``): the target's first
+``--draft-layers`` blocks with its embeddings and head, verified ``--num-draft`` tokens at a
+time; its output equals plain greedy's (checked here) and its acceptance rate is printed.
+On random weights the acceptance rate says little about trained models (a random network's
+upper blocks change its logits little, so a truncated one agrees with it unusually often);
+``--checkpoint``/``--draft-checkpoint`` time a trained pair instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import time
+import dataclasses
 from pathlib import Path
 
 import torch
 
-from blockformer import TransformerConfig, build_model
-from blockformer.generate import generate
+from common import gpt2_config, hf_gpt2, timed
+
+from blockformer.generate import generate, speculative_generate
 from blockformer.generate.quantize import Int4Linear, Int8Linear, quantize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -53,43 +63,53 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per variant (the best is kept)")
+    p.add_argument("--batch", type=int, default=1, help="prompts decoded at once")
+    p.add_argument("--draft-layers", type=int, default=2, help="speculative: blocks of the target the draft keeps")
+    p.add_argument("--num-draft", type=int, default=4, help="speculative: tokens drafted per round")
+    p.add_argument("--checkpoint", default=None, help="time this trained decoder instead of random weights")
+    p.add_argument("--draft-checkpoint", default=None, help="speculative: a trained draft for --checkpoint")
     p.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     p.add_argument("--skip", nargs="*", default=[],
                    choices=["nocache", "cache", "compiled", "int8-cache", "int8-compiled", "int4-cache",
-                            "int4-compiled", "hf"],
+                            "int4-compiled", "speculative", "hf"],
                    help="variants to leave out (nocache is slow: it recomputes the whole sequence)")
     return p.parse_args()
 
 
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """Best wall time of ``repeats`` calls, in seconds."""
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def draft_from(target, layers: int):
+    """The target's first ``layers`` blocks, its embeddings, final norm and head (copied)."""
+    draft = copy.deepcopy(target)
+    draft.decoder.blocks = draft.decoder.blocks[:layers]
+    draft.cfg = dataclasses.replace(target.cfg, n_layers=layers)
+    return draft
+
+
+def load_pair(args, device, dtype):
+    """(target, draft or None) from ``--checkpoint`` / ``--draft-checkpoint``."""
+    from blockformer.train.checkpoint import load_checkpoint  # noqa: PLC0415
+
+    target = load_checkpoint(args.checkpoint, device).model.to(dtype).eval()
+    draft = load_checkpoint(args.draft_checkpoint, device).model.to(dtype).eval() if args.draft_checkpoint else None
+    return target, draft
 
 
 def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    device, dtype, n = torch.device(args.device), DTYPES[args.dtype], args.tokens
+    device, dtype, n, B = torch.device(args.device), DTYPES[args.dtype], args.tokens, args.batch
     max_len = args.prompt + n
-    prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     results: dict[str, float] = {}
+    notes: dict[str, str] = {}
 
-    cfg = TransformerConfig(
-        arch="decoder", vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,
-        n_heads=args.heads, max_seq_len=max(1024, max_len), position="learned", ffn="gelu",
-        norm="layer", norm_position="pre", tie_embeddings=True, bias=True,
-    )
-    ours = build_model(cfg, seed=0).to(device=device, dtype=dtype).eval()
+    cfg = gpt2_config(args.layers, args.d_model, args.heads, args.vocab, max(1024, max_len))
+    if args.checkpoint:
+        ours, draft = load_pair(args, device, dtype)
+        cfg = ours.cfg
+        args.skip.append("hf")  # Hugging Face would need the same weights
+    else:
+        ours, draft = build_model_for(cfg, device, dtype), None
+    prompt = torch.randint(0, cfg.vocab_size, (B, args.prompt), generator=torch.Generator().manual_seed(0))
     variants = {
         "nocache": dict(use_cache=False),
         "cache": dict(use_cache=True),
@@ -113,18 +133,28 @@ def main() -> None:
             assert len(out[0]) == tokens
 
         run(n if "compiled" in name else min(n, 8))  # warm-up (the compiled step's shapes depend on n)
-        results[f"blockformer {name}"] = n / timed(run, device, args.repeats)
+        results[f"blockformer {name}"] = B * n / timed(run, device, args.repeats)
+
+    if "speculative" not in args.skip:
+        target = float_model
+        draft = draft if draft is not None else draft_from(target, args.draft_layers)
+        expected = generate(target, prompt, n, temperature=0)
+        spec = {}
+
+        def run_spec() -> None:
+            spec["out"] = speculative_generate(target, draft, prompt, n, num_draft=args.num_draft, temperature=0)
+
+        run_spec()  # warm-up
+        name = f"blockformer speculative (draft: {args.draft_layers} layers, k={args.num_draft})"
+        if args.draft_checkpoint:
+            name = f"blockformer speculative (draft: {args.draft_checkpoint}, k={args.num_draft})"
+        results[name] = B * n / timed(run_spec, device, args.repeats)
+        assert spec["out"].tokens == expected, "speculative greedy must equal plain greedy"
+        notes[name] = f"acceptance {spec['out'].acceptance_rate:.0%}, output identical to greedy"
     del ours, float_model
 
     if "hf" not in args.skip:
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        hf_cfg = GPT2Config(
-            vocab_size=args.vocab, n_positions=max(1024, max_len), n_embd=args.d_model,
-            n_layer=args.layers, n_head=args.heads, bos_token_id=args.vocab - 1, eos_token_id=args.vocab - 1,
-        )
-        torch.manual_seed(0)
-        hf = GPT2LMHeadModel(hf_cfg).to(device=device, dtype=dtype).eval()
+        hf = hf_gpt2(cfg, device, dtype).eval()
         ids = prompt.to(device)
         mask = torch.ones_like(ids)
 
@@ -135,20 +165,26 @@ def main() -> None:
             assert out.shape[1] == ids.shape[1] + tokens
 
         run_hf(min(n, 8))
-        results["hf GPT2LMHeadModel.generate"] = n / timed(run_hf, device, args.repeats)
+        results["hf GPT2LMHeadModel.generate"] = B * n / timed(run_hf, device, args.repeats)
 
     hf_rate = results.get("hf GPT2LMHeadModel.generate")
-    lines = [f"greedy decode, batch 1, prompt {args.prompt}, {n} new tokens, {args.layers} layers, "
+    lines = [f"greedy decode, batch {B}, prompt {args.prompt}, {n} new tokens, {args.layers} layers, "
              f"d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, {args.dtype}, {device}, "
              f"threads {torch.get_num_threads()}, best of {args.repeats}, torch {torch.__version__}",
-             "", "| variant | tokens/s | vs HF |", "| --- | ---: | ---: |"]
+             "", "| variant | tokens/s (all rows) | vs HF | note |", "| --- | ---: | ---: | --- |"]
     for name, rate in results.items():
         ratio = f"{rate / hf_rate:.2f}x" if hf_rate else "-"
-        lines.append(f"| {name} | {rate:.1f} | {ratio} |")
+        lines.append(f"| {name} | {rate:.1f} | {ratio} | {notes.get(name, '')} |")
     print("\n".join(lines))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("\n".join(lines) + "\n")
+
+
+def build_model_for(cfg, device, dtype):
+    from blockformer import build_model  # noqa: PLC0415
+
+    return build_model(cfg, seed=0).to(device=device, dtype=dtype).eval()
 
 
 if __name__ == "__main__":

@@ -119,6 +119,24 @@ def test_quantized_generate_keeps_the_float_models_greedy_tokens(tmp_path, capsy
             assert text[:4] == float_text[:4], (text, float_text)
 
 
+def test_generate_with_a_draft_checkpoint_prints_plain_greedy_and_the_acceptance_rate(lm_run, capsys):
+    run_dir, args = lm_run
+    if not (run_dir / "best").exists():
+        main(args)
+    draft = sorted(p for p in run_dir.iterdir() if p.is_dir() and p.name != "best")[0]  # an earlier step
+    cmd = ["generate", "--checkpoint", str(run_dir), "--prompt", "def f", "--max-new-tokens", "30",
+           "--temperature", "0"]
+    capsys.readouterr()
+    assert main(cmd) == 0
+    plain = capsys.readouterr().out
+    assert main([*cmd, "--draft", str(draft), "--num-draft", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain
+    rate = re.search(r"speculative: (\d+)/(\d+) drafted tokens accepted", err)
+    assert rate and 0 < int(rate.group(2)) and int(rate.group(1)) <= int(rate.group(2))
+    assert main([*cmd, "--draft", str(draft), "--num-draft", "0"]) == 2
+
+
 def test_eval_prints_loss_and_perplexity(lm_run, capsys):
     run_dir, args = lm_run
     if not (run_dir / "best").exists():

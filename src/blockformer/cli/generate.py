@@ -4,6 +4,9 @@ Sampling (temperature, top-k, top-p, a seed) or greedy (``--temperature 0``) thr
 cache; text is printed as it is generated, and stops at EOS, ``--max-new-tokens`` or a
 ``--stop`` string. ``--compile`` compiles the one-token decode step; ``--precision bf16``
 and ``--quantize int8``/``int4`` make each step read fewer weight bytes (faster on a CPU).
+``--draft CKPT`` decodes speculatively: a small model with the same tokenizer proposes
+``--num-draft`` tokens and the checkpoint verifies them in one pass (same output
+distribution; greedy output identical); the acceptance rate goes to stderr.
 """
 
 from __future__ import annotations
@@ -32,12 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--compile", action="store_true", help="compile the one-token decode step")
     add_quantize_argument(parser)
+    parser.add_argument("--draft", default=None, metavar="CKPT",
+                        help="speculative decoding: a small decoder checkpoint with the same tokenizer")
+    parser.add_argument("--num-draft", type=int, default=4, metavar="K", help="tokens drafted per round (default 4)")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
-    from ..generate import TextStream, generate, prepare_for_decoding  # noqa: PLC0415
+    from ..generate import TextStream, generate, prepare_for_decoding, speculative_generate  # noqa: PLC0415
     from ..tokenizers import EOS_ID  # noqa: PLC0415
     from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
     from ..train.precision import check_precision, resolve_device  # noqa: PLC0415
@@ -50,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--min-new-tokens {args.min_new_tokens}: expected 0..--max-new-tokens")
     if not 0 <= args.temperature < float("inf"):  # also refuses nan
         raise UsageError(f"--temperature {args.temperature}: expected a finite float >= 0 (0 = greedy)")
+    if args.draft and (args.min_new_tokens or args.compile):
+        raise UsageError("--draft: not combined with --min-new-tokens or --compile; expected neither")
+    if args.num_draft < 1:
+        raise UsageError(f"--num-draft {args.num_draft}: expected an integer >= 1")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p {args.top_p}: expected a float in (0, 1]")
     if args.top_k is not None and args.top_k < 1:
@@ -70,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
             "(use `blockformer translate` for encoder-decoders)"
         )
     model = prepare_for_decoding(ckpt.model, args.precision, args.quantize)
+    draft = _load_draft(args, ckpt, device) if args.draft else None
     prompt_ids = ckpt.tokenizer.encode(args.prompt) or [EOS_ID]  # no prompt: a document starts after eos
 
     def write(row: int, text: str) -> None:
@@ -82,10 +93,32 @@ def run(args: argparse.Namespace) -> int:
         stream = TextStream(ckpt.tokenizer.decode, write, args.stop)
         sys.stdout.write(args.prompt)
         generator = torch.Generator(device=device).manual_seed(args.seed + i)
-        generate(model, [prompt_ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                 top_p=args.top_p, min_new_tokens=args.min_new_tokens, eos_id=EOS_ID, generator=generator,
-                 on_token=stream.on_token, stop=stream.stop, compile=args.compile)
+        options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=EOS_ID,
+                       generator=generator, on_token=stream.on_token, stop=stream.stop)
+        if draft is None:
+            generate(model, [prompt_ids], args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                     compile=args.compile, **options)
+        else:
+            out = speculative_generate(model, draft, [prompt_ids], args.max_new_tokens,
+                                       num_draft=args.num_draft, **options)
+            print(f"speculative: {out.accepted}/{out.proposed} drafted tokens accepted "
+                  f"({out.acceptance_rate:.0%}), {out.target_calls} target passes", file=sys.stderr)
         stream.finish()
         sys.stdout.write("\n")
         sys.stdout.flush()
     return 0
+
+
+def _load_draft(args: argparse.Namespace, ckpt, device):
+    """The draft checkpoint, in the target's precision; it must share the tokenizer."""
+    from ..generate import prepare_for_decoding  # noqa: PLC0415
+    from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
+
+    draft = load_checkpoint(args.draft, device)
+    if draft.config.model.arch != "decoder":
+        raise UsageError(f"--draft {args.draft}: an {draft.config.model.arch} model; expected a decoder")
+    probe = "The quick brown fox, 0123."
+    same = draft.tokenizer.vocab_size == ckpt.tokenizer.vocab_size
+    if not same or draft.tokenizer.encode(probe) != ckpt.tokenizer.encode(probe):
+        raise UsageError(f"--draft {args.draft}: its tokenizer differs from --checkpoint's; expected the same one")
+    return prepare_for_decoding(draft.model, args.precision, args.quantize)

@@ -1,4 +1,5 @@
-"""``blockformer info (--checkpoint DIR | --preset NAME)``: size and cost of a model."""
+"""``blockformer info (--checkpoint DIR | --preset NAME)``: size and cost of a model;
+``blockformer info --peak``: this machine's measured matmul peak (what MFU is against)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Parameters, training FLOPs per token and a training-memory estimate for one micro-batch, "
         "for a checkpoint or a preset (with --set overrides)."
     )
-    source = parser.add_mutually_exclusive_group(required=True)
+    source = parser.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", metavar="DIR", help="a checkpoint or run directory")
     source.add_argument("--preset", metavar="NAME", help="one of: " + ", ".join(preset_names()))
     source.add_argument("--config", metavar="CONFIG.toml", help="a TOML run config")
@@ -26,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also plan a parallel run on N ranks laid out by the [parallel] section "
                              "(--set parallel.tp=8 ...): per-rank memory and communication per step")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--peak", action="store_true",
+                        help="measure this machine's matmul peak FLOP/s in fp32 and bf16 (cached for MFU)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="for --peak")
 
 
 def model_info(cfg: RunConfig, batch_size: int | None = None, seq_len: int | None = None) -> dict:
@@ -63,6 +67,14 @@ def model_info(cfg: RunConfig, batch_size: int | None = None, seq_len: int | Non
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.peak:
+        peaks = measure_peaks(args.device)
+        if not (args.checkpoint or args.preset or args.config):
+            _print_peaks(peaks, args.json)
+            return 0
+        _print_peaks(peaks, False)
+    elif not (args.checkpoint or args.preset or args.config):
+        raise UsageError("info: expected --checkpoint DIR, --preset NAME, --config FILE or --peak")
     if args.checkpoint:
         from ..train.checkpoint import read_config, resolve_checkpoint  # noqa: PLC0415
 
@@ -99,6 +111,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"note         vocab_size is the config's; training sets it from the {cfg.data.tokenizer} "
               "tokenizer")
     return 0
+
+
+def measure_peaks(device_name: str) -> dict:
+    """Matmul peak FLOP/s per precision on ``device_name``, measured now (and cached)."""
+    from ..train.precision import native_bf16, resolve_device  # noqa: PLC0415
+    from ..train.throughput import machine_key, peak_flops  # noqa: PLC0415
+
+    device = resolve_device(device_name)
+    precisions = ["fp32", "bf16"] + (["fp16"] if device.type == "cuda" else [])
+    peaks = {p: peak_flops(device, p, refresh=True) for p in precisions}
+    return {"device": str(device), "machine": machine_key(device), "native_bf16": native_bf16(device),
+            "peak_flops": peaks}
+
+
+def _print_peaks(peaks: dict, as_json: bool) -> None:
+    from ..train.throughput import format_flops  # noqa: PLC0415
+
+    if as_json:
+        print(json.dumps(peaks, indent=2))
+        return
+    print(f"machine      {peaks['machine']}")
+    for precision, value in peaks["peak_flops"].items():
+        note = " (emulated: no bf16 units)" if precision == "bf16" and not peaks["native_bf16"] else ""
+        print(f"peak {precision:<7} {format_flops(value)}{note}  (best square matmul; MFU is against this)")
 
 
 def _gib(n: int) -> str:

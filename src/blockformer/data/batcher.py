@@ -14,6 +14,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..errors import UsageError
+from .buckets import bucket_of, pad_to_shape
 from .seq2seq import PairIds, Seq2SeqBatch, collate_pairs
 
 
@@ -23,7 +24,9 @@ class TokenBatcher:
     ``max_len`` limits source and target lengths: longer pairs are dropped, or clipped with
     ``overlong="clip"``. ``max_sentences`` caps pairs per batch. ``chunk_batches`` sets the
     bucketing chunk, in batches' worth of pairs: larger sorts more globally (less padding),
-    smaller mixes lengths more.
+    smaller mixes lengths more. ``buckets`` (lengths, see ``data.buckets``) packs and pads
+    every batch to one of a few fixed shapes, ``(max_tokens // bucket, bucket)``, for a
+    compiled training step.
     """
 
     def __init__(
@@ -36,6 +39,7 @@ class TokenBatcher:
         overlong: str = "drop",
         max_sentences: int | None = None,
         chunk_batches: int = 100,
+        buckets: list[int] | None = None,
     ):
         if overlong not in ("drop", "clip"):
             raise UsageError(f"data.overlong: {overlong!r}; expected 'drop' or 'clip'")
@@ -53,7 +57,12 @@ class TokenBatcher:
         self.pairs = pairs
         # Padded length of a pair in either tensor: its longer side plus eos (or bos).
         self.lengths = np.array([max(len(s), len(t)) + 1 for s, t in pairs])
-        longest = int(self.lengths.max())
+        self.buckets = buckets
+        # What packing counts per pair: its length, or its bucket's when shapes are fixed.
+        self.pack_lengths = self.lengths
+        if buckets:
+            self.pack_lengths = np.array([bucket_of(n, buckets) for n in self.lengths])
+        longest = int(self.pack_lengths.max())
         if max_tokens < longest:
             raise UsageError(
                 f"batch.max_tokens: {max_tokens} is below the longest pair ({longest} tokens); "
@@ -84,12 +93,20 @@ class TokenBatcher:
         """Greedy packing of pairs sorted by length: the newest pair is always the longest."""
         batches, start = [], 0
         cap = self.max_sentences or len(ordered)
-        for j, length in enumerate(self.lengths[ordered].tolist()):
+        for j, length in enumerate(self.pack_lengths[ordered].tolist()):
             if (j - start + 1) * length > self.max_tokens or j - start >= cap:
                 batches.append(ordered[start:j])
                 start = j
         batches.append(ordered[start:])
         return batches
+
+    def _collate(self, indices: np.ndarray) -> Seq2SeqBatch:
+        batch = collate_pairs([self.pairs[i] for i in indices])
+        if not self.buckets:
+            return batch
+        length = int(self.pack_lengths[indices].max())
+        rows = self.max_tokens // length
+        return pad_to_shape(batch, min(rows, self.max_sentences or rows), length)
 
     def num_batches(self, epoch: int) -> int:
         return len(self.batch_indices(epoch))
@@ -102,7 +119,7 @@ class TokenBatcher:
         self.epoch, self.index = epoch, start
         for k in range(start, len(order)):
             self.index = k + 1  # counted before the yield: a checkpoint taken now resumes after it
-            yield collate_pairs([self.pairs[i] for i in order[k]])
+            yield self._collate(order[k])
         self.epoch, self.index = epoch + 1, 0
 
     def stream(self) -> Iterator[Seq2SeqBatch]:

@@ -67,22 +67,31 @@ class Seq2SeqBatch:
     tgt_out: torch.Tensor
     tgt_mask: torch.Tensor
     num_tokens: int = -1  # real target tokens (the loss's denominator); counted once, on the CPU
+    num_src_tokens: int = -1  # real source tokens (for tokens/s); likewise: no device sync per step
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
             self.num_tokens = int(self.tgt_mask.sum())
+        if self.num_src_tokens < 0:
+            self.num_src_tokens = int(self.src_mask.sum())
 
     def __len__(self) -> int:
         return self.src.shape[0]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Seq2SeqBatch:
-        """The same batch with every tensor on ``device``."""
+        """The same batch with every tensor on ``device`` (``non_blocking`` from pinned memory
+        when going to CUDA, so the copy overlaps the step still running there)."""
+        pin = non_blocking and torch.device(device).type == "cuda"
         moved = {
-            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+            f.name: _pinned(getattr(self, f.name), pin).to(device, non_blocking=non_blocking)
             for f in dataclasses.fields(self)
-            if f.name != "num_tokens"
+            if f.name not in ("num_tokens", "num_src_tokens")
         }
-        return Seq2SeqBatch(**moved, num_tokens=self.num_tokens)
+        return Seq2SeqBatch(**moved, num_tokens=self.num_tokens, num_src_tokens=self.num_src_tokens)
+
+
+def _pinned(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    return t.pin_memory() if pin and t.device.type == "cpu" else t
 
 
 def collate_pairs(pairs: Sequence[PairIds]) -> Seq2SeqBatch:

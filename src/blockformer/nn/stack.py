@@ -52,9 +52,7 @@ class Stack(nn.Module):
     def _self_inputs(self, positions, attention_mask, cache, cache_pos) -> AttnInputs:
         rope = self.rotary(positions) if self.rotary is not None else None
         if cache is None:
-            T = positions.shape[1]
             k_pos, k_valid = positions, attention_mask
-            causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril() if self.causal else None
         else:
             if not self.causal:
                 raise ValueError("a KV cache needs a causal stack")
@@ -64,7 +62,10 @@ class Stack(nn.Module):
             causal = cache_pos[:, None] >= slots[None, :]  # (T, S): slots written so far
         bias = self.bias(positions, k_pos) if self.bias is not None else None  # (B, H, Tq, Tk)
         if cache is None and attention_mask is None and bias is None:
-            return AttnInputs(is_causal=self.causal, rope=rope)  # the flash kernel's own mask
+            return AttnInputs(is_causal=self.causal, rope=rope)  # the fused kernel's own mask: no (T, T)
+        if cache is None:  # padding or a bias: the mask is materialised, (T, T)
+            T, device = positions.shape[1], positions.device
+            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril() if self.causal else None
         return AttnInputs(mask=_combine(causal, k_valid, bias), rope=rope, cache=cache, cache_pos=cache_pos)
 
     def _cross_inputs(self, memory, memory_mask, cache) -> AttnInputs:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from ..data.seq2seq import Seq2SeqBatch
 from ..errors import UsageError
 
@@ -40,6 +42,7 @@ def shard_batch(batch: Any, rank: int, n: int) -> Any:
                          f"ranks; expected at least {n} rows per batch (raise batch_size or max_tokens)")
     rows = rows_of(size, rank, n)
     if isinstance(batch, Seq2SeqBatch):
-        parts = {f.name: getattr(batch, f.name)[rows] for f in dataclasses.fields(batch) if f.name != "num_tokens"}
-        return Seq2SeqBatch(**parts)
+        # The tensors' rows; the token counts (ints) are counted again for the shard.
+        parts = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+        return Seq2SeqBatch(**{k: v[rows] for k, v in parts.items() if isinstance(v, torch.Tensor)})
     return tuple(t[rows] for t in batch)

@@ -141,7 +141,7 @@ def parallelize(
     tc = train or cfg.train
     if par is None:
         apply_activation_checkpointing(model, tc.activation_checkpointing)
-        return model, (torch.compile(model) if tc.compile else model)
+        return model, model  # one process: the loop compiles model + loss together (train.compile)
     d, pc = par.degrees, cfg.parallel
     roots = [model]  # the modules whose forward the training step calls
     if d.pp > 1:

@@ -29,6 +29,7 @@ import torch
 
 from .. import parallel
 from ..errors import UsageError
+from ..models.checks import trusted_inputs
 from ..parallel.checkpoint import (
     full_optimizer_state,
     load_optimizer_state,
@@ -37,7 +38,7 @@ from ..parallel.checkpoint import (
     save_sharded,
 )
 from ..run_config import RunConfig
-from ..stats import count_parameters
+from ..stats import count_parameters, flops_per_token
 from .checkpoint import (
     best_checkpoint,
     load_trainer_state,
@@ -49,13 +50,15 @@ from .checkpoint import (
     step_checkpoints,
     step_dir_name,
 )
+from .compile import LossFn, compile_loss
 from .metrics import MetricsLog, perplexity, plot_losses
 from .finetune import lr_scale
-from .optim import build_optimizer
+from .optim import build_optimizer, kernel_kept
 from .precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
 from .run_dir import RunLock, clear_previous_run, main_process, prepare
 from .schedule import build_scheduler
 from .setup import Objective, build_run
+from .throughput import format_flops, peak_flops, utilisation
 
 
 @dataclass
@@ -142,12 +145,13 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
     scaler = grad_scaler(tc.precision, device)
     step, best_loss = 0, float("inf")
     if state is not None:
-        if sharded:
-            load_sharded(model, optimizer, resume)
-        elif full_optim is None:
-            optimizer.load_state_dict(state["optimizer"])
-        else:
-            load_optimizer_state(par, model, optimizer, full_optim)
+        with kernel_kept(optimizer):
+            if sharded:
+                load_sharded(model, optimizer, resume)
+            elif full_optim is None:
+                optimizer.load_state_dict(state["optimizer"])
+            else:
+                load_optimizer_state(par, model, optimizer, full_optim)
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         objective.load_state_dict(state["data"])
@@ -159,11 +163,19 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.to_toml(run_dir / "config.toml")
     metrics = MetricsLog(run_dir, resume_step=step if state is not None else None) if main else _NoMetrics()
+    # One process: model + loss compiled as one static graph; a parallel run compiles per block.
+    loss_fn = compile_loss(objective) if tc.compile and par is None else None
     log(
         f"training {cfg.model.arch} ({count_parameters(model) / 1e6:.2f}M parameters, "
         f"{count_parameters(model, trainable_only=True) / 1e6:.3f}M trainable) on {device} "
         f"in {describe_precision(requested, tc.precision, device)}, {tc.steps} steps -> {run_dir}"
     )
+    # MFU: the model's FLOPs at the achieved rate over this machine's measured matmul peak.
+    flops_tok = flops_per_token(cfg.model, cfg.data.seq_len if cfg.model.arch == "decoder" else None)
+    # A parallel run's tokens are the global batch's: its peak is every rank's together.
+    peak = peak_flops(device, tc.precision) * (par.degrees.world_size if par is not None else 1) if main else None
+    log(f"throughput: {flops_tok:.3g} training FLOPs per token; {tc.precision} matmul peak "
+        f"{format_flops(peak or 0)} (`blockformer info --peak` measures it again)")
 
     def save(val: dict[str, float] | None) -> Path:
         nonlocal best_loss
@@ -193,8 +205,8 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
     last_stop = tc.steps if stop_at is None else min(stop_at, tc.steps)
     stopper = _Stopper()
     bar = _progress(tc, step, last_stop) if main else None
-    pending: list[torch.Tensor] = []
-    t0, tokens_seen = time.perf_counter(), 0
+    pending: list[tuple[int, torch.Tensor]] = []  # (step, loss on the device), read at log steps
+    t0, tokens_seen, targets_seen = time.perf_counter(), 0, 0
     params = [p for p in model.parameters() if p.requires_grad]
     deadline = time.monotonic() + 60 * tc.max_minutes if tc.max_minutes else float("inf")
     with stopper:
@@ -202,44 +214,38 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
             batches = [objective.next_batch() for _ in range(tc.grad_accum)]
             lr = scheduler.get_last_lr()[0]
             loss = train_step(fwd_model, objective, batches, optimizer, scaler, params, tc, device,
-                              check_finite=True, par=par)
-            if loss is None:  # non-finite: no update was made
-                if tc.nonfinite == "stop":
-                    last = step_checkpoints(run_dir)
-                    raise NonFiniteLoss(
-                        f"train: the loss became NaN or infinite at step {step + 1}; stopped without "
-                        f"updating the weights. Last checkpoint: {last[-1] if last else 'none'}. Expected a "
-                        f"finite loss: lower train.lr (now {tc.lr:g}), raise train.warmup, or set "
-                        f"train.nonfinite=skip to skip such steps"
-                    )
-                result.skipped += 1
-                if result.skipped in (1, 10, 100) or result.skipped % 1000 == 0:
-                    log(f"step {step + 1}: non-finite loss, update skipped ({result.skipped} so far)")
-                loss = torch.full((), float("nan"), device=device)  # one loss per step, as always
-            pending.append(loss)
+                              check_finite=True, par=par, loss_fn=loss_fn)
+            if loss is None:  # non-finite, seen on the host
+                loss = torch.full((), float("nan"), device=device)
+            pending.append((step + 1, loss))  # a non-finite one made no update; counted when read
             scheduler.step()
             step += 1
-            tokens_seen += sum(objective.count_tokens(b) for b in batches)
+            tokens_seen += sum(objective.count_tokens(b) for b in batches)  # host ints: no sync
+            targets_seen += sum(objective.count_targets(b) for b in batches)
             if bar is not None:
                 bar.update(1)
             if step % tc.log_every == 0 or step == last_stop:
-                losses = torch.stack(pending).tolist()
+                losses = _read(pending, step, tc, run_dir, result, log)
                 pending.clear()
                 result.losses.extend(losses)
-                tok_s = tokens_seen / max(time.perf_counter() - t0, 1e-9)
+                elapsed = max(time.perf_counter() - t0, 1e-9)
+                tok_s = tokens_seen / elapsed
+                util = utilisation(flops_tok, targets_seen, elapsed, peak)
                 finite = [x for x in losses if math.isfinite(x)]  # skipped steps (train.nonfinite=skip) are nan
                 loss = sum(finite) / len(finite) if finite else float("nan")  # the mean since the last log
-                metrics.write({"split": "train", "step": step, "loss": loss, "lr": lr, "tokens_per_s": tok_s})
+                metrics.write({"split": "train", "step": step, "loss": loss, "lr": lr, "tokens_per_s": tok_s,
+                               **util})
                 if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
-                t0, tokens_seen = time.perf_counter(), 0
+                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}",
+                                    mfu=f"{100 * util.get('mfu', 0):.1f}%")
+                t0, tokens_seen, targets_seen = time.perf_counter(), 0, 0
             if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
+                _read(pending, step, tc, run_dir, result, log, count=False)  # no checkpoint after a NaN
                 t_eval = time.perf_counter()
                 result.val = _evaluate(objective, model, tc, device, step, metrics, bar, log)
                 result.checkpoint = save(result.val)
                 t0 += time.perf_counter() - t_eval  # tokens/s counts training time only
-        if pending:
-            result.losses.extend(torch.stack(pending).tolist())
+        result.losses.extend(_read(pending, step, tc, run_dir, result, log))
         if result.checkpoint is None or not result.checkpoint.name.endswith(f"{step:06d}"):
             result.checkpoint = save(None)  # stopped between evaluations
     if bar is not None:
@@ -254,6 +260,35 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
     return result
 
 
+def _read(
+    pending, step: int, tc, run_dir: Path, result: TrainResult, log: Any, count: bool = True
+) -> list[float]:
+    """The pending losses, read in one host sync. A non-finite one stops the run (before
+    anything is saved) or is counted as skipped; ``count=False`` only checks."""
+    values = torch.stack([loss for _, loss in pending]).tolist() if pending else []
+    bad = [s for (s, _), v in zip(pending, values) if not math.isfinite(v)]
+    if bad and (count or tc.nonfinite == "stop"):
+        _nonfinite(bad, step, tc, run_dir, result, log)
+    return values
+
+
+def _nonfinite(bad_steps: list[int], step: int, tc, run_dir: Path, result: TrainResult, log: Any) -> None:
+    """``train.nonfinite``: stop with the last checkpoint named, or count the skipped updates."""
+    if tc.nonfinite == "stop":
+        last = step_checkpoints(run_dir)
+        raise NonFiniteLoss(
+            f"train: the loss became NaN or infinite at step {bad_steps[0]}; that step made no update and "
+            f"the run stopped at step {step} without saving. "
+            f"Last checkpoint: {last[-1] if last else 'none'}. "
+            f"Expected a finite loss: lower train.lr (now {tc.lr:g}), raise train.warmup, or set "
+            f"train.nonfinite=skip to skip such steps"
+        )
+    for s in bad_steps:
+        result.skipped += 1
+        if result.skipped in (1, 10, 100) or result.skipped % 1000 == 0:
+            log(f"step {s}: non-finite loss, update skipped ({result.skipped} so far)")
+
+
 def train_step(
     model: torch.nn.Module,
     objective: Objective,
@@ -265,12 +300,17 @@ def train_step(
     device: torch.device,
     check_finite: bool = False,
     par: parallel.Parallel | None = None,
+    *,
+    loss_fn: LossFn | None = None,
 ) -> torch.Tensor | None:
     """One optimizer update from ``batches`` (the micro-batches of gradient accumulation),
     each weighted by its share of the target tokens; returns the mean loss per token.
-    With ``check_finite``, a NaN or infinite loss makes no update and returns None (one
-    host sync per step). In a parallel run ``batches`` are global: each rank computes the
-    loss of its rows (``par.local_batch``) and the total is the global batch's."""
+    With ``check_finite``, a NaN or infinite loss makes no update: one process with fused
+    AdamW skips it on the device (its ``found_inf`` input, as ``GradScaler`` uses it) and the
+    loss comes back non-finite, with no host sync; otherwise the host checks and None comes
+    back. ``loss_fn`` replaces ``objective.loss`` (the compiled one, under ``train.compile``).
+    In a parallel run ``batches`` are global: each rank computes the loss of its rows
+    (``par.local_batch``) and the total is the global batch's."""
     model.train()
     n_targets = sum(objective.count_targets(b) for b in batches)
     total = torch.zeros((), device=device)
@@ -278,21 +318,33 @@ def train_step(
         total = par.pipeline.step(batches, n_targets, tc)
     else:
         for batch in batches:
-            with autocast(tc.precision, device):
-                loss_sum = objective.loss(model, batch if par is None else par.local_batch(batch), tc.label_smoothing)
+            # The run's own tokenizer made these ids (< vocab_size by construction): the models'
+            # value checks would read them on the host, a device sync per micro-batch.
+            with autocast(tc.precision, device), trusted_inputs():
+                rows = batch if par is None else par.local_batch(batch)
+                loss_sum = (loss_fn or objective.loss)(model, rows, tc.label_smoothing)
             share = loss_sum / n_targets if par is None else loss_sum * par.grad_scale / n_targets
             scaler.scale(share).backward()
             total += loss_sum.detach()
         total = parallel.loss_total(par, total)
-    if check_finite and not bool(torch.isfinite(total)):
+    on_device = (check_finite and par is None and not scaler.is_enabled()
+                 and bool(optimizer.defaults.get("fused")))
+    if check_finite and not on_device and not bool(torch.isfinite(total)):
         optimizer.zero_grad(set_to_none=True)
         return None
     scaler.unscale_(optimizer)  # clip the true gradients (a no-op unless fp16)
     if tc.grad_clip > 0:
         clip = torch.nn.utils.clip_grad_norm_ if par is None else par.clip_grad_norm_
         clip(params, tc.grad_clip)
-    scaler.step(optimizer)
-    scaler.update()
+    if on_device:
+        optimizer.grad_scale, optimizer.found_inf = None, (~torch.isfinite(total)).float()
+        try:
+            optimizer.step()  # the fused kernel leaves weights, moments and step count as they were
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+    else:
+        scaler.step(optimizer)
+        scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return total / n_targets
 

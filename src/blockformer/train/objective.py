@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..data.buckets import pad_to_bucket
 from ..data.lm import LMDataset
 from ..data.seq2seq import Seq2SeqBatch
 from ..data.tasks import Task, TaskBatches, exact_match
@@ -78,6 +79,8 @@ class LanguageModelling(Objective):
 
     def next_batch(self) -> LMBatch:
         x, y = self.train.sample(self.batch_size, self.generator)
+        if self.device.type == "cuda":  # pinned: the copy is asynchronous, the CPU runs ahead
+            x, y = x.pin_memory(), y.pin_memory()
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def loss(self, model: nn.Module, batch: LMBatch, label_smoothing: float = 0.0) -> torch.Tensor:
@@ -114,14 +117,18 @@ class Seq2Seq(Objective):
         seed: int = 0,
         task: Task | None = None,
         tokenizer: Any = None,
+        buckets: list[int] | None = None,
     ) -> None:
         self.train, self.val_batches, self.device = train, val_batches, device
+        self.buckets = buckets  # synthetic tasks: pad to these lengths (a TokenBatcher pads itself)
         self.task, self.tokenizer = task, tokenizer
         self.generator = torch.Generator().manual_seed(seed)
         self._stream = None if isinstance(train, TaskBatches) else train.stream()
 
     def next_batch(self) -> Seq2SeqBatch:
         batch = self.train.sample(self.generator) if self._stream is None else next(self._stream)
+        if self.buckets and self._stream is None:
+            batch = pad_to_bucket(batch, self.buckets, len(batch))
         return batch.to(self.device, non_blocking=True)
 
     def loss(self, model: nn.Module, batch: Seq2SeqBatch, label_smoothing: float = 0.0) -> torch.Tensor:
@@ -132,7 +139,7 @@ class Seq2Seq(Objective):
         return batch.num_tokens
 
     def count_tokens(self, batch: Seq2SeqBatch) -> int:
-        return batch.num_tokens + int(batch.src_mask.sum())
+        return batch.num_tokens + batch.num_src_tokens  # counted on the CPU: no sync
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, cfg: TrainConfig) -> dict[str, float]:

@@ -8,10 +8,12 @@ head shares its matrix with the token embedding and is therefore not decayed eit
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..run_config import TrainConfig
 
@@ -43,9 +45,35 @@ def param_groups(
 def build_optimizer(
     model: nn.Module, cfg: TrainConfig, lr_scale: Callable[[str], float] | None = None
 ) -> torch.optim.AdamW:
-    """AdamW over ``param_groups``; fused on CUDA, where the single kernel is faster.
-    ``lr_scale``: a parameter name's multiplier of ``cfg.lr`` (fine-tuning)."""
-    fused = {"fused": True} if next(model.parameters()).is_cuda else {}
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay, lr_scale, cfg.lr), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **fused
-    )
+    """AdamW over ``param_groups``, as one fused kernel over all parameters where torch has
+    one for the device (CUDA; CPU since torch 2.4), else the multi-tensor (foreach) path.
+    Neither waits for the device during a step. ``lr_scale``: a parameter name's multiplier
+    of ``cfg.lr`` (fine-tuning)."""
+    params = list(model.parameters())
+    # Parallel runs (DTensor parameters) take the per-tensor path: the fused and foreach
+    # kernels refuse plain tensors mixed with DTensors, which TP's replicated parameters and
+    # optimizer state loaded across layouts produce.
+    if any(isinstance(p, DTensor) for p in params):
+        kind = {}
+    else:
+        kind = {"fused": True} if fused_available(params[0].device) else {"foreach": True}
+    groups = param_groups(model, cfg.weight_decay, lr_scale, cfg.lr)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kind)
+
+
+def fused_available(device: torch.device) -> bool:
+    """Whether ``torch.optim.AdamW(fused=True)`` runs on ``device`` with this torch."""
+    if device.type == "cuda":
+        return True
+    version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    return device.type == "cpu" and version >= (2, 4)
+
+
+@contextlib.contextmanager
+def kernel_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Loading an optimizer state dict restores its param groups' ``fused``/``foreach``
+    flags; the kernel stays this run's choice (another layout may have written the state)."""
+    flags = [{k: g.get(k) for k in ("fused", "foreach")} for g in optimizer.param_groups]
+    yield
+    for group, kept in zip(optimizer.param_groups, flags):
+        group.update(kept)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..data.batcher import TokenBatcher
+from ..data.buckets import length_buckets
 from ..data.lm import LMDataset
 from ..data.seq2seq import encode_pairs, read_pairs
 from ..data.sources import iter_texts
@@ -163,15 +164,17 @@ def build_objective(
             rates = MaskingRates(tc.mask_rate, tc.mask_token_rate, tc.random_token_rate)
             return MaskedLM(train, val, tc.batch_size, tc.seed, device, tokenizer.vocab_size, rates)
         return LanguageModelling(train, val, tc.batch_size, tc.seed, device)
+    buckets = length_buckets(cfg.model.max_seq_len) if tc.compile else None  # few shapes to compile
     if data.kind == "task":
         task = make_task_for(data)
         batches = TaskBatches(task, tokenizer, tc.batch_size)
         val_batches = list(batches.heldout_batches())
-        return Seq2Seq(batches, val_batches, device, seed=tc.seed, task=task, tokenizer=tokenizer)
+        return Seq2Seq(batches, val_batches, device, seed=tc.seed, task=task, tokenizer=tokenizer,
+                       buckets=buckets)
     train_pairs, val_pairs = _split_pairs(read_pairs(data.src, data.tgt), data)
     max_len = cfg.model.max_seq_len - 1  # room for bos/eos
     batcher = TokenBatcher(encode_pairs(train_pairs, tokenizer), tc.max_tokens, shuffle=True, seed=tc.seed,
-                           max_len=max_len, overlong="clip")
+                           max_len=max_len, overlong="clip", buckets=buckets)
     val_ids = encode_pairs(val_pairs, tokenizer)
     val_batcher = TokenBatcher(val_ids, tc.max_tokens, shuffle=False, max_len=max_len, overlong="clip")
     val_batches = list(val_batcher.batches(0))

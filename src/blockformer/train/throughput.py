@@ -1,0 +1,130 @@
+"""How close training runs to what the hardware allows: measured matmul peak and MFU.
+
+Model FLOPs utilisation (MFU, Chowdhery et al. 2022, PaLM appendix B) is the FLOP/s the
+model's arithmetic needs at the achieved token rate (``flops_per_token`` x tokens/s),
+over the machine's peak. The peak here is measured, not read from a data sheet: the best
+of a few square matmuls in the run's dtype, sized to take well under a second. It is
+cached per machine (host, device, CPU threads) in ``~/.cache/blockformer/peak.json``, so a
+run measures it at most once; ``blockformer info --peak`` measures it afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from .precision import DTYPES
+
+PEAK_FILE = "peak.json"
+_CPU_SIZES = (256, 512, 1024, 2048)
+_CUDA_SIZES = (2048, 4096, 8192)
+
+
+def measure_peak(
+    device: torch.device, dtype: torch.dtype, *, budget_s: float = 0.25, repeats: int = 3
+) -> float:
+    """Best matmul FLOP/s of ``device`` in ``dtype``: square ``n x n`` products for growing
+    ``n`` until one takes longer than ``budget_s`` (larger matrices use the units better)."""
+    best = 0.0
+    g = torch.Generator().manual_seed(0)  # its own stream: a run's random state stays untouched
+    for n in _CUDA_SIZES if device.type == "cuda" else _CPU_SIZES:
+        a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+        b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b  # warm-up (kernel selection, first-touch)
+        _sync(device)
+        first = time.perf_counter() - t0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            _sync(device)
+            best = max(best, 2 * n**3 / max(time.perf_counter() - t0, 1e-9))
+        if first > budget_s:
+            break
+    return best
+
+
+def machine_key(device: torch.device) -> str:
+    """What the peak depends on: the host, the device model, and the CPU threads used."""
+    host = socket.gethostname()
+    if device.type == "cuda":
+        return f"{host}|cuda|{torch.cuda.get_device_name(device)}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{host}|cpu|{_cpu_model()}|{capability}|threads={torch.get_num_threads()}"
+
+
+def peak_flops(
+    device: torch.device, precision: str, *, refresh: bool = False, cache_dir: Path | None = None
+) -> float:
+    """This machine's matmul peak for ``precision`` (``fp32``/``bf16``/``fp16``), from the
+    per-machine cache, else measured and cached; ``refresh`` measures again."""
+    path = (cache_dir or _default_cache_dir()) / PEAK_FILE
+    key = f"{machine_key(device)}|{precision}"
+    table = _read(path)
+    if not refresh and isinstance(table.get(key), (int, float)) and table[key] > 0:
+        return float(table[key])
+    value = measure_peak(device, DTYPES[precision])
+    table[key] = value
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1) + "\n")
+        os.replace(tmp, path)  # atomic: concurrent runs never read half a file
+    except OSError:
+        pass  # a read-only home costs a measurement per run, nothing more
+    return value
+
+
+def utilisation(flops_per_token: float, tokens: int, seconds: float, peak: float | None) -> dict[str, float]:
+    """Achieved model FLOP/s for ``tokens`` in ``seconds`` (``flops_per_token`` counts the
+    forward and backward passes), and MFU against ``peak`` when known."""
+    achieved = flops_per_token * tokens / max(seconds, 1e-9)
+    record = {"flops_per_s": achieved}
+    if peak:
+        record["mfu"] = achieved / peak
+    return record
+
+
+def format_flops(value: float) -> str:
+    """``1.23 TFLOP/s``."""
+    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if value >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value / 1e6:.3g} MFLOP/s"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform  # noqa: PLC0415
+
+    return platform.processor() or platform.machine()
+
+
+def _read(path: Path) -> dict:
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _default_cache_dir() -> Path:
+    from .setup import default_cache_dir  # noqa: PLC0415 - setup imports the data stack
+
+    return default_cache_dir()

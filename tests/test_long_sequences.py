@@ -1,0 +1,48 @@
+"""Causal training at long T takes the fused attention kernel: no T x T tensor is ever
+built (no mask, no score matrix), forward or backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockformer import TransformerConfig, build_model
+from blockformer.probes.memory import TensorMemory
+
+T = 2048
+
+
+def _train_step(model, tokens, **kw):
+    logits = model(tokens, **kw)
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)).backward()
+
+
+class Ops(TensorMemory):
+    """TensorMemory that also records the attention ops called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "attention" in func.__name__ or "softmax" in func.__name__:
+            self.attention_ops.add(func.__name__.split(".")[0])
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("position", ["rope", "learned"])
+def test_causal_training_at_long_length_builds_no_t_by_t_tensor(position):
+    cfg = TransformerConfig(arch="decoder", vocab_size=64, d_model=32, n_layers=1, n_heads=2, d_ff=64,
+                            max_seq_len=T, position=position, dropout=0.0)
+    model = build_model(cfg, seed=0)
+    tokens = torch.randint(0, 64, (1, T))
+    with Ops() as fused:
+        _train_step(model, tokens)
+    assert fused.largest < T * T  # not even a bool T x T mask (4 MiB here)
+    assert "_softmax" not in fused.attention_ops  # the math path's score softmax
+    assert any("flash" in op or "efficient" in op or "cudnn" in op for op in fused.attention_ops), fused.attention_ops
+    # The same step with an all-true padding mask must materialise the mask: the check can fail.
+    model.zero_grad()
+    with Ops() as masked:
+        _train_step(model, tokens, attention_mask=torch.ones(1, T, dtype=torch.bool))
+    assert masked.largest >= T * T
+    assert masked.peak > fused.peak

@@ -53,7 +53,7 @@ def test_trainer_logs_flops_and_mfu_against_the_cached_peak(tmp_path, monkeypatc
     cfg = tiny_lm(tmp_path, "train.steps=6", "train.log_every=2", "train.eval_every=0", "train.precision=fp32")
     lines = []
     train(cfg, tmp_path / "run", log=lines.append)
-    assert any("matmul peak of this machine 25 GFLOP/s" in line for line in lines)
+    assert any("fp32 matmul peak 25 GFLOP/s" in line for line in lines)
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in records if r["split"] == "train"]
     assert len(rows) == 3

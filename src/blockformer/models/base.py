@@ -11,6 +11,7 @@ from ..config import TransformerConfig
 from ..nn.attention import Attention
 from ..nn.feedforward import FeedForward
 from ..nn.kv_cache import KVCache
+from ..nn.moe import MoEFeedForward
 from ..nn.position import RelativeBias
 from .head_layers import HeadTransform
 
@@ -70,6 +71,8 @@ class TransformerModel(nn.Module):
                 if deepnet:
                     module.down.weight.mul_(beta)
                     module.up.weight.mul_(beta)
+            elif isinstance(module, MoEFeedForward):
+                module.reset_parameters(std, out_std, beta if deepnet else 1.0)
             elif isinstance(module, RelativeBias):
                 nn.init.normal_(module.table.weight, 0.0, cfg.d_model**-0.5)  # T5's scale
 

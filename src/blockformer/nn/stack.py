@@ -65,7 +65,8 @@ class Stack(nn.Module):
         bias = self.bias(positions, k_pos) if self.bias is not None else None  # (B, H, Tq, Tk)
         if cache is None and attention_mask is None and bias is None:
             return AttnInputs(is_causal=self.causal, rope=rope)  # the flash kernel's own mask
-        return AttnInputs(mask=_combine(causal, k_valid, bias), rope=rope, cache=cache, cache_pos=cache_pos)
+        return AttnInputs(mask=_combine(causal, k_valid, bias), rope=rope, cache=cache, cache_pos=cache_pos,
+                          valid=attention_mask)
 
     def _cross_inputs(self, memory, memory_mask, cache) -> AttnInputs:
         if cache is not None:

@@ -36,6 +36,7 @@ from ..parallel.checkpoint import (
     same_layout,
     save_sharded,
 )
+from ..nn.moe import auxiliary_loss, routing_stats
 from ..run_config import RunConfig
 from ..stats import count_parameters
 from .checkpoint import (
@@ -229,7 +230,8 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
                 tok_s = tokens_seen / max(time.perf_counter() - t0, 1e-9)
                 finite = [x for x in losses if math.isfinite(x)]  # skipped steps (train.nonfinite=skip) are nan
                 loss = sum(finite) / len(finite) if finite else float("nan")  # the mean since the last log
-                metrics.write({"split": "train", "step": step, "loss": loss, "lr": lr, "tokens_per_s": tok_s})
+                metrics.write({"split": "train", "step": step, "loss": loss, "lr": lr, "tokens_per_s": tok_s,
+                               **routing_stats(model)})
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
                 t0, tokens_seen = time.perf_counter(), 0
@@ -278,9 +280,12 @@ def train_step(
         total = par.pipeline.step(batches, n_targets, tc)
     else:
         for batch in batches:
+            local = batch if par is None else par.local_batch(batch)
             with autocast(tc.precision, device):
-                loss_sum = objective.loss(model, batch if par is None else par.local_batch(batch), tc.label_smoothing)
-            share = loss_sum / n_targets if par is None else loss_sum * par.grad_scale / n_targets
+                loss_sum = objective.loss(model, local, tc.label_smoothing)
+            aux = auxiliary_loss(model)  # what modules (MoE routers) recorded in this forward, or None
+            objective_sum = loss_sum if aux is None else loss_sum + aux * objective.count_targets(local)
+            share = objective_sum / n_targets if par is None else objective_sum * par.grad_scale / n_targets
             scaler.scale(share).backward()
             total += loss_sum.detach()
         total = parallel.loss_total(par, total)

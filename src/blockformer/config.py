@@ -31,6 +31,7 @@ ResidualTarget = Literal["branch", "trunk"]
 Position = Literal["none", "sinusoidal", "learned", "rope", "alibi", "relative"]
 GeluApprox = Literal["none", "tanh"]
 SinusoidLayout = Literal["interleaved", "split"]
+RopeScaling = Literal["none", "linear", "ntk"]
 
 GATED_FFNS = ("swiglu", "geglu")
 ADDITIVE_POSITIONS = ("sinusoidal", "learned")  # added to the token embeddings
@@ -98,6 +99,10 @@ class TransformerConfig:
     expert_capacity_factor: float = 0.0  # training: slots per expert = factor * tokens * k / E; 0 = dropless
     router_aux_coef: float = 0.01  # load-balancing loss E * sum_e f_e P_e (Switch, Fedus et al. 2021)
     router_z_coef: float = 0.001  # router z-loss mean(logsumexp(logits)^2) (ST-MoE, Zoph et al. 2022)
+    # --- context length (nn/position.py, nn/stack.py)
+    rope_scaling: RopeScaling = "none"  # extend a trained rope model: "linear" interpolation or "ntk"-aware
+    rope_scaling_factor: float = 1.0  # the context's growth factor s the scaling targets
+    attention_window: int = 0  # > 0: each query sees the last `attention_window` positions; KV cache bounded
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -184,6 +189,10 @@ class TransformerConfig:
                 "use residual_scale_target='branch' with pre-norm"
             )
         self._validate_experts()
+        _require(self, "attention_window", self.attention_window >= 0, "an integer >= 0 (0: no window)")
+        _require(self, "rope_scaling_factor", self.rope_scaling_factor >= 1.0, "a float >= 1")
+        if self.rope_scaling != "none":
+            _require(self, "rope_scaling", self.position == "rope", "'none' unless position='rope'")
         if self.arch != "encoder-decoder":
             for name in ("n_encoder_layers", "n_decoder_layers", "src_vocab_size"):
                 _require(self, name, getattr(self, name) is None, "None unless arch='encoder-decoder'")

@@ -22,6 +22,7 @@ class Stack(nn.Module):
     def __init__(self, cfg: TransformerConfig, n_layers: int, *, causal: bool, cross: bool = False) -> None:
         super().__init__()
         self.causal, self.cross = causal, cross
+        self.window = cfg.attention_window  # 0: every visible position
         self.blocks = nn.ModuleList(
             Block(cfg, causal=causal, cross=cross, layer_idx=i, n_layers=n_layers) for i in range(n_layers)
         )
@@ -62,8 +63,10 @@ class Stack(nn.Module):
             k_pos, k_valid = cache.pos, cache.valid
             slots = torch.arange(cache.max_len, device=positions.device)
             causal = cache_pos[:, None] >= slots[None, :]  # (T, S): slots written so far
+        if self.window:
+            causal = _window(positions, k_pos, self.window, self.causal)  # (B, Tq, Tk)
         bias = self.bias(positions, k_pos) if self.bias is not None else None  # (B, H, Tq, Tk)
-        if cache is None and attention_mask is None and bias is None:
+        if cache is None and attention_mask is None and bias is None and not self.window:
             return AttnInputs(is_causal=self.causal, rope=rope)  # the flash kernel's own mask
         return AttnInputs(mask=_combine(causal, k_valid, bias), rope=rope, cache=cache, cache_pos=cache_pos,
                           valid=attention_mask)
@@ -77,6 +80,15 @@ class Stack(nn.Module):
         return AttnInputs(mask=mask, memory=memory, cache=cache)
 
 
+def _window(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
+    """Sliding-window attention (Longformer, Beltagy et al. 2020; Mistral): a query sees the
+    keys less than ``window`` positions away (and, causal, not after it). Decided by position
+    ids, not cache slots, so it holds in a ring-buffer cache that has wrapped around."""
+    offset = q_pos[:, :, None] - k_pos[:, None, :]  # (B, Tq, Tk)
+    near = offset.abs() < window
+    return near & (offset >= 0) if causal else near
+
+
 def _combine(
     causal: torch.Tensor | None, key_valid: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
@@ -87,7 +99,7 @@ def _combine(
     """
     keep = None
     if causal is not None:
-        keep = causal[None, None]  # (1, 1, Tq, Tk)
+        keep = causal[None, None] if causal.dim() == 2 else causal[:, None]  # (1 or B, 1, Tq, Tk)
     if key_valid is not None:
         valid = key_valid.bool()[:, None, None, :]  # (B, 1, 1, Tk)
         keep = valid if keep is None else keep & valid

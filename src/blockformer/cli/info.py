@@ -85,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
     mem = info["memory_bytes"]
     m = cfg.model
     layers = f"{m.n_encoder_layers}+{m.n_decoder_layers}" if m.arch == "encoder-decoder" else m.n_layers
+    ffn = f"{m.ffn_experts} experts of d_ff {m.expert_d_ff}, top-{m.experts_top_k}" if m.ffn_experts else f"d_ff {m.d_ff}"
     print(f"arch         {m.arch}: {layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
-          f"d_ff {m.d_ff}, vocab {m.vocab_size}")
+          f"{ffn}, vocab {m.vocab_size}")
     print(f"parameters   {info['parameters']:,} "
           f"({info['parameters_without_embeddings']:,} without embeddings)")
     if m.ffn_experts:

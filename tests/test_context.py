@@ -6,6 +6,7 @@ import torch
 from blockformer import TransformerConfig, build_model
 from blockformer.generate import generate
 from blockformer.nn.position import Rotary
+from cached import cached_logits
 
 V = 37
 
@@ -42,12 +43,7 @@ def test_ntk_rope_scaling_keeps_the_fastest_frequency_and_slows_the_slowest_by_s
 def test_rope_scaled_cache_equals_the_full_forward(scaling):
     model = make(rope_scaling=scaling, rope_scaling_factor=2.0, max_seq_len=32)
     tokens = torch.randint(0, V, (2, 12))
-    full = model(tokens)
-    cache = model.new_cache(2, 16)
-    steps = [model(tokens[:, :5], cache=cache, cache_pos=torch.arange(5))]
-    for t in range(5, 12):
-        steps.append(model(tokens[:, t : t + 1], cache=cache, cache_pos=torch.tensor([t])))
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cached_logits(model, tokens, 5, 16), model(tokens), atol=1e-5, rtol=1e-5)
 
 
 def test_rope_scaling_needs_rope():
@@ -76,13 +72,9 @@ def test_ring_cache_decodes_past_max_seq_len_equal_to_the_full_forward(position)
     """max_seq_len 16, window 4: the cache holds 8 slots, the sequence is 40 tokens long."""
     model = make(position=position, attention_window=4)
     tokens = torch.randint(0, V, (2, 40))
-    full = model(tokens)
-    cache = model.new_cache(2, 40)
-    assert cache.max_len == 8
-    steps = [model(tokens[:, :5], cache=cache, cache_pos=torch.arange(5))]  # window + 1 tokens at most
-    for t in range(5, 40):
-        steps.append(model(tokens[:, t : t + 1], cache=cache, cache_pos=torch.tensor([t])))
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert model.new_cache(2, 40).max_len == 8
+    # A prefill of window + 1 tokens at most, then the ring wraps around four times.
+    torch.testing.assert_close(cached_logits(model, tokens, 5, 40), model(tokens), atol=1e-5, rtol=1e-5)
 
 
 def test_generate_with_a_window_beyond_max_seq_len_matches_decoding_without_cache():

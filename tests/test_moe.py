@@ -11,6 +11,7 @@ from blockformer import TransformerConfig, build_model
 from blockformer.nn.feedforward import FeedForward
 from blockformer.nn.moe import MoEFeedForward, auxiliary_loss, routing_stats
 from blockformer.stats import active_parameters, count_parameters, flops_per_token
+from cached import cached_logits
 
 
 def moe_cfg(**kw):
@@ -198,12 +199,7 @@ def test_decoder_cache_equals_the_full_forward_with_moe_blocks(position):
                             ffn_experts=4, experts_top_k=2, expert_capacity_factor=1.0, init_std=0.1)
     model = build_model(cfg, seed=0).eval()
     tokens = torch.randint(0, 37, (2, 11))
-    full = model(tokens)
-    cache = model.new_cache(2, 16)
-    steps = [model(tokens[:, :4], cache=cache, cache_pos=torch.arange(4))]
-    for t in range(4, 11):
-        steps.append(model(tokens[:, t : t + 1], cache=cache, cache_pos=torch.tensor([t])))
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cached_logits(model, tokens, 4, 16), model(tokens), atol=1e-5, rtol=1e-5)
 
 
 def test_moe_decoder_traces_as_one_graph_and_matches_eager():
@@ -293,3 +289,33 @@ def test_training_adds_the_aux_loss_and_logs_routing_stats(tmp_path):
         assert 0.0 <= r["dropped"] < 1.0 and r["balance_loss"] >= 2.0 - 1e-4 and r["z_loss"] > 0
     saved = (tmp_path / "run" / "config.toml").read_text()
     assert "router_aux_coef = 0.01" in saved and "router_z_coef = 0.001" in saved
+
+
+def test_left_padded_cached_moe_row_matches_the_row_alone_and_padding_takes_no_capacity():
+    cfg = TransformerConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=4, ffn_experts=4, experts_top_k=2,
+                            init_std=0.1)
+    model = build_model(cfg, seed=0).eval()
+    prompt = torch.randint(4, 37, (1, 5))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], dim=1)
+    real = torch.tensor([[False] * 3 + [True] * 5])
+    positions = (real.cumsum(-1) - 1).clamp(min=0)
+    cache = model.new_cache(1, 12)
+    got = model(padded, positions=positions, attention_mask=real, cache=cache, cache_pos=torch.arange(8))
+    assert int(model.decoder.blocks[0].ffn.stats["load"].sum()) == 5 * 2  # the 3 pads were routed nowhere
+    torch.testing.assert_close(got[:, 3:], model(prompt), atol=1e-5, rtol=1e-5)
+
+
+def test_encoder_decoder_cache_equals_the_full_forward_with_moe_blocks():
+    cfg = TransformerConfig(arch="encoder-decoder", vocab_size=37, d_model=32, n_layers=2, n_heads=4,
+                            ffn_experts=4, experts_top_k=2, shared_experts=1, init_std=0.1)
+    model = build_model(cfg, seed=0).eval()
+    src, tgt = torch.randint(0, 37, (2, 8)), torch.randint(0, 37, (2, 7))
+    src_mask = torch.ones(2, 8, dtype=torch.bool)
+    src_mask[1, 5:] = False
+    full = model(src, tgt, src_mask=src_mask)
+    memory = model.encode(src, src_mask)
+    cache = model.new_cache(2, 10)
+    steps = [model.decode(tgt[:, :1], memory, src_mask, cache=cache, cache_pos=torch.tensor([0]))]
+    for t in range(1, 7):
+        steps.append(model.decode(tgt[:, t : t + 1], None, cache=cache, cache_pos=torch.tensor([t])))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)

@@ -88,3 +88,11 @@ def test_generate_with_a_window_beyond_max_seq_len_matches_decoding_without_cach
 def test_window_must_not_be_negative():
     with pytest.raises(ValueError, match="attention_window"):
         TransformerConfig(attention_window=-1)
+
+
+def test_a_prefill_that_would_overwrite_its_own_window_is_refused():
+    model = make(attention_window=4)
+    cache = model.new_cache(1, 40)  # 8 slots
+    with pytest.raises(ValueError, match="at most 5 per call"):
+        model(torch.randint(0, V, (1, 12)), cache=cache, cache_pos=torch.arange(12))
+    model(torch.randint(0, V, (1, 8)), cache=model.new_cache(1, 40), cache_pos=torch.arange(8))  # no wrap: fine

@@ -59,6 +59,8 @@ class Stack(nn.Module):
         else:
             if not self.causal:
                 raise ValueError("a KV cache needs a causal stack")
+            if self.window:
+                _check_ring(cache, cache_pos, self.window)
             cache.record(cache_pos, positions, attention_mask)
             k_pos, k_valid = cache.pos, cache.valid
             slots = torch.arange(cache.max_len, device=positions.device)
@@ -78,6 +80,17 @@ class Stack(nn.Module):
             memory_mask = cache.memory_mask
         mask = None if memory_mask is None else _combine(None, memory_mask, None)
         return AttnInputs(mask=mask, memory=memory, cache=cache)
+
+
+def _check_ring(cache: KVCache, cache_pos: torch.Tensor, window: int) -> None:
+    """A call that wraps a windowed model's ring cache must not overwrite keys its own
+    queries still see: at most ``slots - window + 1`` tokens. One token always fits."""
+    T, room = cache_pos.shape[0], cache.max_len - window + 1
+    if T > 1 and T > room and not torch.compiler.is_compiling() and int(cache_pos[-1]) >= cache.max_len:
+        raise ValueError(
+            f"cache_pos: {T} tokens in one call wrap the {cache.max_len}-slot ring cache of a model with "
+            f"attention_window={window}; expected at most {room} per call (feed the prompt in chunks)"
+        )
 
 
 def _window(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, causal: bool) -> torch.Tensor:

@@ -35,3 +35,11 @@ def test_alibi_holds_its_loss_at_4x_the_training_context_and_sinusoidal_does_not
     assert loss["alibi"][1] < 1.1 * loss["alibi"][0], loss
     assert loss["sinusoidal"][1] > 1.15 * loss["sinusoidal"][0], loss
     assert loss["sinusoidal"][1] > loss["alibi"][1] + 0.2, loss
+
+
+def test_length_probe_has_command_line_help(capsys):
+    from blockformer.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["probe", "length", "--help"])
+    assert exit_.value.code == 0 and "--train-len" in capsys.readouterr().out

@@ -319,3 +319,13 @@ def test_encoder_decoder_cache_equals_the_full_forward_with_moe_blocks():
     for t in range(1, 7):
         steps.append(model.decode(tgt[:, t : t + 1], None, cache=cache, cache_pos=torch.tensor([t])))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_weights_are_decayed_and_expert_biases_are_not():
+    from blockformer.train.optim import param_groups
+
+    model = build_model(TransformerConfig(vocab_size=30, d_model=16, n_layers=1, n_heads=2, ffn_experts=4), seed=0)
+    moe = model.decoder.blocks[0].ffn
+    decay, no_decay = ({id(p) for p in g["params"]} for g in param_groups(model, 0.1))
+    assert {id(moe.w_up), id(moe.w_down), id(moe.router)} <= decay
+    assert {id(moe.b_up), id(moe.b_down)} <= no_decay

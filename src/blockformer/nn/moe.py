@@ -78,6 +78,10 @@ class MoEFeedForward(nn.Module):
             if b is not None:
                 nn.init.zeros_(b)
 
+    def no_weight_decay(self) -> list[nn.Parameter]:
+        """The stacked biases are 2-D but are biases: the optimizer leaves them undecayed."""
+        return [b for b in (self.b_up, self.b_down) if b is not None]
+
     # ------------------------------------------------------------------ routing
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Router logits (N, E) in fp32, and each token's top-k weights and experts (N, k)."""

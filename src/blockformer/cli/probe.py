@@ -48,7 +48,7 @@ HELP = {
     "schemes": "comma-separated position schemes: none, sinusoidal, learned, rope, alibi, relative",
     "train_len": "training context T",
     "factors": "comma-separated multiples of T to evaluate at",
-    "max_bytes": "bytes of stdlib text read (the first 90 percent trains, the rest is held out)",
+    "text_kb": "kilobytes of stdlib text read (the first 90 percent trains, the rest is held out)",
     "eval_windows": "held-out windows averaged",
     "extensions": "also evaluate the trained rope model with linear / NTK scaling and a window of T",
 }

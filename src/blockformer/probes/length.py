@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..config import TransformerConfig
 from ..models import build_model
+from ..errors import UsageError
 from .report import ProbeResult, parse_ints, pick
 
 SCHEMES = ["none", "sinusoidal", "learned", "rope", "alibi", "relative"]
@@ -70,8 +71,10 @@ def train_lm(cfg: TransformerConfig, data: torch.Tensor, T: int, *, steps: int, 
 
 @torch.no_grad()
 def position_loss(model: torch.nn.Module, windows: torch.Tensor, length: int) -> list[float]:
-    """Mean loss at each position 0..length-1 over the rows of ``windows`` (N, >= length+1)."""
-    x, y = windows[:, :length], windows[:, 1 : length + 1]
+    """Mean loss at each position 0..length-1 over the rows of ``windows`` (N, L + 1), reading
+    the last ``length`` + 1 bytes of each: every length predicts the same final bytes."""
+    start = windows.shape[1] - 1 - length
+    x, y = windows[:, start : start + length], windows[:, start + 1 : start + length + 1]
     loss = F.cross_entropy(model(x).transpose(1, 2), y, reduction="none")  # (N, length)
     return loss.mean(0).tolist()
 
@@ -94,20 +97,25 @@ def run(
     n_heads: int = 4,
     batch_size: int = 16,
     lr: float = 3e-3,
-    max_bytes: int = 2_000_000,
-    eval_windows: int = 16,
+    text_kb: int = 2000,
+    eval_windows: int = 64,
     extensions: bool = True,
     seed: int = 0,
 ) -> ProbeResult:
-    """Loss over the last ``train_len`` positions of held-out windows of m x ``train_len``
-    tokens, for each scheme and each factor m."""
+    """Loss on the same ``train_len`` held-out bytes read at positions (m-1)T..mT-1 (after
+    m x T - T bytes of context), for each scheme and each factor m."""
+    for name, value, low in (("--train-len", train_len, 2), ("--steps", steps, 1), ("--eval-windows", eval_windows, 1),
+                             ("--text-kb", text_kb, 1)):
+        if value < low:
+            raise UsageError(f"{name} {value}: expected an integer >= {low}")
+    max_bytes = 1000 * text_kb
     schemes = pick(schemes, SCHEMES, "--schemes")
     factors = sorted(parse_ints(factors, "--factors"))
     T, longest = train_len, max(factors) * train_len
     data = corpus(max_bytes)
     split = int(0.9 * len(data))
     if len(data) - split < longest + 1 or split < T + 2:
-        raise ValueError(f"--max-bytes {max_bytes}: too little text for windows of {longest + 1} tokens")
+        raise UsageError(f"--text-kb {text_kb}: too little text for held-out windows of {longest + 1} bytes")
     g = torch.Generator().manual_seed(seed + 1)
     starts = torch.randint(split, len(data) - longest - 1, (eval_windows,), generator=g).tolist()
     held_out = torch.stack([data[s : s + longest + 1] for s in starts])
@@ -130,11 +138,12 @@ def run(
         columns=["position", *[f"{m}x T" for m in factors], "at the longest"],
         rows=rows,
         data={"train_len": T, "factors": factors, "steps": steps, "d_model": d_model, "n_layers": n_layers,
-              "max_bytes": max_bytes, "eval_windows": eval_windows, "seed": seed, "runs": runs},
+              "text_kb": text_kb, "eval_windows": eval_windows, "seed": seed, "runs": runs},
         notes=[
             f"Byte-level decoders ({n_layers} blocks, width {d_model}) trained {steps} steps at context T = {T} on "
-            f"stdlib sources; each cell: mean loss (nats/byte) over the last T positions of {eval_windows} held-out "
-            "windows of m x T bytes, so every column after 1x reads positions past training.",
+            f"stdlib sources; each cell: mean loss (nats/byte) on the same T bytes of each of {eval_windows} held-out "
+            "passages, read at positions (m-1)T..mT-1 after m x T - T bytes of context: every column after 1x reads "
+            "positions past training, and the columns differ only in that.",
             "holds: longest <= 1.1 x the 1x loss; degrades: <= 1.5 x; blows up: more.",
             "rope+linear / rope+ntk: the trained rope model with rope_scaling=linear / ntk and factor m at m x T; "
             "rope+window: the same model with attention_window = T. No retraining.",

@@ -41,9 +41,11 @@ def reference(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("ffn", ["relu", "gelu", "swiglu", "geglu"])
-def test_one_expert_top_one_equals_the_dense_ffn_with_the_same_weights(ffn):
-    cfg = moe_cfg(ffn=ffn, ffn_experts=1, experts_top_k=1, router_aux_coef=0.0, router_z_coef=0.0)
+@pytest.mark.parametrize("ffn,approx", [("relu", "none"), ("gelu", "none"), ("gelu", "tanh"), ("swiglu", "none"),
+                                        ("geglu", "tanh")])
+def test_one_expert_top_one_equals_the_dense_ffn_with_the_same_weights(ffn, approx):
+    cfg = moe_cfg(ffn=ffn, gelu_approximate=approx, ffn_experts=1, experts_top_k=1, router_aux_coef=0.0,
+                  router_z_coef=0.0)
     torch.manual_seed(0)
     moe, dense = MoEFeedForward(cfg), FeedForward(cfg)
     with torch.no_grad():

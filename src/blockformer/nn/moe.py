@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import GATED_FFNS, TransformerConfig
-from .feedforward import ACTIVATIONS, FeedForward
+from .feedforward import FeedForward, activation
 
 
 class MoEFeedForward(nn.Module):
@@ -51,7 +51,7 @@ class MoEFeedForward(nn.Module):
         E, d, f = cfg.ffn_experts, cfg.d_model, cfg.expert_d_ff or cfg.d_ff
         self.n_experts, self.top_k, self.d_ff = E, cfg.experts_top_k, f
         self.gated = cfg.ffn in GATED_FFNS
-        self.act = ACTIVATIONS[cfg.ffn]
+        self.act = activation(cfg)  # the dense FFN's own choice (gelu_approximate included)
         self.capacity_factor = cfg.expert_capacity_factor
         self.aux_coef, self.z_coef = cfg.router_aux_coef, cfg.router_z_coef
         width = f * (2 if self.gated else 1)

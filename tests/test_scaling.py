@@ -94,3 +94,23 @@ def test_smoke_sweep_two_sizes_by_two_budgets_runs_end_to_end_and_resumes(tmp_pa
 def test_sweep_rejects_a_seq2seq_recipe(capsys):
     assert main(["sweep", "--preset", "copy", "--sizes", "32x1", "--tokens", "100"]) == 2
     assert "language-modelling" in capsys.readouterr().err
+
+
+def test_an_interrupted_point_resumes_from_its_last_checkpoint(tmp_path, monkeypatch):
+    import blockformer.train.loop as loop
+    from blockformer.run_config import load_run_config
+    from blockformer.scaling.sweep import ensure_point, point_config, point_name
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"x{i} = {i % 7}\n" for i in range(300)))
+    base = load_run_config(preset="stdlib-lm", overrides=[
+        f"data.text={corpus}", "data.tokenizer=char", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=16",
+        "model.max_seq_len=16", "train.batch_size=4", "train.precision=fp32"])
+    cfg = point_config(base, 32, 1, 512)  # 8 steps
+    run_dir = tmp_path / "points" / point_name(32, 1, 512)
+    loop.train(cfg, run_dir, stop_at=3, log=lambda *a: None)  # interrupted after 3 steps
+    seen = []
+    real_train = loop.train
+    monkeypatch.setattr(loop, "train", lambda *a, **kw: seen.append(kw.get("resume")) or real_train(*a, **kw))
+    point = ensure_point(base, 32, 1, 512, tmp_path / "points", log=lambda *a: None)
+    assert seen == [run_dir] and point.steps == 8 and point.tokens == 512

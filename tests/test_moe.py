@@ -349,3 +349,16 @@ def test_inductor_compiled_moe_matches_eager_and_trains_the_router(precision):
     torch.testing.assert_close(got, want, atol=1e-5 if precision == "fp32" else 2e-2, rtol=1e-3)
     (got.sum() + auxiliary_loss(model)).backward()
     assert model.decoder.blocks[0].ffn.router.grad.abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_compiled_bf16_int8_decoding_of_an_moe_model_keeps_the_float_greedy_tokens():
+    from blockformer.generate import generate
+    from blockformer.generate.quantize import prepare_for_decoding
+
+    torch._dynamo.reset()
+    cfg = TransformerConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4, ffn_experts=4, experts_top_k=2,
+                            init_std=0.1)
+    want = generate(build_model(cfg, seed=0).eval(), [[1, 2, 3]], 12, do_sample=False)
+    model = prepare_for_decoding(build_model(cfg, seed=0).eval(), "bf16", "int8")
+    assert generate(model, [[1, 2, 3]], 12, do_sample=False, compile=True) == want

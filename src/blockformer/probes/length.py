@@ -89,9 +89,9 @@ def verdict(losses: list[float | None]) -> str:
 
 def run(
     schemes: str | list[str] = ",".join(SCHEMES),
-    train_len: int = 64,
+    train_len: int = 32,
     factors: str | list[int] = "1,2,4,8",
-    steps: int = 400,
+    steps: int = 300,
     d_model: int = 64,
     n_layers: int = 2,
     n_heads: int = 4,
@@ -183,11 +183,11 @@ def _measure(model_at, held_out: torch.Tensor, T: int, factors: list[int]) -> di
 
 
 def plot(result: ProbeResult, fig: Any) -> None:
-    """Loss per position at the longest length, smoothed over T/8 positions."""
+    """Loss per position at the longest length, smoothed over T/2 positions."""
     ax = fig.subplots()
     data = result.data
     T, longest = data["train_len"], max(data["factors"])
-    k = max(1, T // 8)
+    k = max(1, T // 2)
     for name, r in data["runs"].items():
         curve = r["curves"].get(longest) or r["curves"].get(str(longest))
         if curve is None:

@@ -114,3 +114,12 @@ def test_an_interrupted_point_resumes_from_its_last_checkpoint(tmp_path, monkeyp
     monkeypatch.setattr(loop, "train", lambda *a, **kw: seen.append(kw.get("resume")) or real_train(*a, **kw))
     point = ensure_point(base, 32, 1, 512, tmp_path / "points", log=lambda *a: None)
     assert seen == [run_dir] and point.steps == 8 and point.tokens == 512
+
+
+def test_a_resample_that_pushes_a_constant_past_float_range_gives_inf_not_an_error():
+    import torch
+
+    from blockformer.scaling.fit import _to_fit
+
+    fit = _to_fit(torch.tensor([800.0, 1.0, 0.0, 2.0, 0.5], dtype=torch.float64), 0.0)
+    assert fit.A == float("inf") and fit.B == pytest.approx(2.718281828) and fit.E == 1.0

@@ -116,7 +116,12 @@ def _fit_theta(N, D, L, delta: float, starts: torch.Tensor, n_best: int) -> tupl
 
 def _to_fit(theta: torch.Tensor, value: float) -> ChinchillaFit:
     a, b, e, alpha, beta = theta.tolist()
-    return ChinchillaFit(E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=alpha, beta=beta, objective=value)
+    return ChinchillaFit(E=_exp(e), A=_exp(a), B=_exp(b), alpha=alpha, beta=beta, objective=value)
+
+
+def _exp(v: float) -> float:
+    """exp, with inf past float range (a degenerate resample can push a or b there)."""
+    return math.exp(v) if v < 700 else math.inf
 
 
 def fit_chinchilla(

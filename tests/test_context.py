@@ -96,3 +96,12 @@ def test_a_prefill_that_would_overwrite_its_own_window_is_refused():
     with pytest.raises(ValueError, match="at most 5 per call"):
         model(torch.randint(0, V, (1, 12)), cache=cache, cache_pos=torch.arange(12))
     model(torch.randint(0, V, (1, 8)), cache=model.new_cache(1, 40), cache_pos=torch.arange(8))  # no wrap: fine
+
+
+def test_an_encoder_window_is_two_sided():
+    model = make(arch="encoder", attention_window=3, n_layers=1)
+    tokens = torch.randint(0, V, (1, 10))
+    changed = tokens.clone()
+    changed[0, 5] = (tokens[0, 5] + 1) % V
+    diff = (model(tokens) - model(changed)).abs().amax(-1)[0]  # one layer: reach |i - 5| < 3
+    assert (diff[3:8] > 1e-5).all() and diff[:3].max() == 0 and diff[8:].max() == 0

@@ -222,6 +222,16 @@ def test_moe_decoder_traces_as_one_graph_and_matches_eager():
     assert step.shape == (2, 1, 50)
 
 
+def test_int8_experts_are_within_half_a_step_per_weight():
+    torch.manual_seed(0)
+    moe = MoEFeedForward(moe_cfg())
+    exact = {name: moe.weight(name, torch.float32).detach().clone() for name in ("w_up", "w_down")}
+    moe.quantize_experts()
+    for name, w in exact.items():
+        step = getattr(moe, f"{name}_scales").float()
+        assert ((moe.weight(name, torch.float32) - w).abs() <= step / 2 + 1e-7).all()
+
+
 def test_quantized_decoding_runs_with_moe_and_keeps_the_greedy_tokens_close():
     from blockformer.generate import generate
     from blockformer.generate.quantize import Int8Linear, quantize
@@ -233,6 +243,9 @@ def test_quantized_decoding_runs_with_moe_and_keeps_the_greedy_tokens_close():
     float_logits = model(tokens)
     quantize(model, "int8")
     assert any(isinstance(m, Int8Linear) for m in model.modules())
+    moe = model.decoder.blocks[0].ffn
+    assert moe.w_up_int8.dtype == torch.int8 and moe.w_down_int8.shape == (4, cfg.expert_d_ff, 64)
+    assert {n for n, _ in moe.named_parameters() if not n.startswith("shared")} == {"router", "b_up", "b_down"}
     q_logits = model(tokens)
     rel = (q_logits - float_logits).pow(2).mean().sqrt() / float_logits.pow(2).mean().sqrt()
     assert rel < 0.02, rel

@@ -118,7 +118,7 @@ class MoEFeedForward(nn.Module):
         if self.training and self.capacity_factor > 0:
             capacity = max(1, math.ceil(self.capacity_factor * N * k / E))
             out, kept = self._padded(xs, sorted_experts, counts, capacity, dtype)
-        elif _grouped_mm_ok(xs, self.w_up, self.w_down, dtype):
+        elif _grouped_mm_ok(xs, self.weight("w_up", dtype), self.weight("w_down", dtype), dtype):
             out, kept = self._grouped(xs, sorted_experts, counts, dtype), sorted_experts < E
         else:
             # Dropless without grouped_mm: one padded slot per token and expert is always enough
@@ -149,6 +149,27 @@ class MoEFeedForward(nn.Module):
         self.stats = {"balance_loss": balance.detach(), "z_loss": z.detach()}
 
     # ------------------------------------------------------------------ the experts
+    def weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Expert matrix ``w_up`` or ``w_down`` in ``dtype``: the parameter, or after
+        ``quantize_experts`` its int8 codes times their scales."""
+        w = getattr(self, name, None)
+        if w is not None:
+            return w.to(dtype)
+        return getattr(self, f"{name}_int8").to(dtype) * getattr(self, f"{name}_scales").to(dtype)
+
+    @torch.no_grad()
+    def quantize_experts(self) -> None:
+        """Weight-only int8 for decoding (what ``generate.quantize`` does to every Linear):
+        one scale per expert and output channel, ``q = round(w / s)``, ``s = max|w| / 127``.
+        Stores a quarter of the fp32 bytes; each call dequantizes to the activation dtype."""
+        for name in ("w_up", "w_down"):
+            w = getattr(self, name)
+            scales = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0  # (E, 1, out)
+            codes = (w.float() / scales).round().clamp(-127, 127).to(torch.int8)
+            delattr(self, name)
+            self.register_buffer(f"{name}_int8", codes)
+            self.register_buffer(f"{name}_scales", scales.to(w.dtype))
+
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, h = h.chunk(2, dim=-1)
@@ -162,10 +183,10 @@ class MoEFeedForward(nn.Module):
         offs = counts[:E].cumsum(0)
         offs = torch.cat([offs[:-1], offs.new_full((1,), xs.shape[0])]).to(torch.int32)
         expert_of_row = sorted_experts.clamp(max=E - 1)
-        h = F.grouped_mm(xs.to(dtype), self.w_up.to(dtype), offs=offs)
+        h = F.grouped_mm(xs.to(dtype), self.weight("w_up", dtype), offs=offs)
         if self.b_up is not None:
             h = h + self.b_up.to(dtype)[expert_of_row]
-        out = F.grouped_mm(self._ffn(h).contiguous(), self.w_down.to(dtype), offs=offs)
+        out = F.grouped_mm(self._ffn(h).contiguous(), self.weight("w_down", dtype), offs=offs)
         if self.b_down is not None:
             out = out + self.b_down.to(dtype)[expert_of_row]
         return out
@@ -181,10 +202,10 @@ class MoEFeedForward(nn.Module):
         kept = (rank < C) & (sorted_experts < E)
         slot = torch.where(kept, sorted_experts * C + rank, E * C)  # E * C: a slot for the rest
         buffer = torch.zeros(E * C + 1, d, dtype=dtype, device=xs.device).index_copy(0, slot, xs.to(dtype))
-        h = torch.bmm(buffer[:-1].view(E, C, d), self.w_up.to(dtype))  # (E, C, width)
+        h = torch.bmm(buffer[:-1].view(E, C, d), self.weight("w_up", dtype))  # (E, C, width)
         if self.b_up is not None:
             h = h + self.b_up.to(dtype)[:, None]
-        out = torch.bmm(self._ffn(h), self.w_down.to(dtype))  # (E, C, d)
+        out = torch.bmm(self._ffn(h), self.weight("w_down", dtype))  # (E, C, d)
         if self.b_down is not None:
             out = out + self.b_down.to(dtype)[:, None]
         out = torch.cat([out.reshape(E * C, d), out.new_zeros(1, d)])

@@ -49,6 +49,17 @@ def run(args: argparse.Namespace) -> int:
     sizes, tokens = parse_sizes(args.sizes), parse_tokens(args.tokens)
     if args.bootstrap < 0:
         raise UsageError(f"--bootstrap {args.bootstrap}: expected an integer >= 0")
+    if args.budget is not None and not 0 < args.budget < float("inf"):
+        raise UsageError(f"--budget {args.budget}: expected a finite number of FLOPs > 0")
+    holdout = None  # parsed before any training: a typo must not cost a sweep
+    if args.holdout:
+        size, sep, budget = args.holdout.partition(":")
+        if not sep:
+            raise UsageError(f"--holdout {args.holdout}: expected WIDTHxLAYERS:TOKENS, e.g. 256x4:2M")
+        sizes_out = parse_sizes(size)
+        if len(sizes_out) != 1:
+            raise UsageError(f"--holdout {args.holdout}: expected one WIDTHxLAYERS before the colon")
+        holdout = (*sizes_out[0], parse_count(budget, "--holdout"))
     out = Path(args.out) if args.out else Path("runs") / f"sweep-{base.train.name}"
     out.mkdir(parents=True, exist_ok=True)
     if args.fit_only:
@@ -62,10 +73,8 @@ def run(args: argparse.Namespace) -> int:
         points = run_grid(base, sizes, tokens, out)
     summary = fit_points(points, bootstrap=args.bootstrap, budget=args.budget)
     check = None
-    if args.holdout:
-        size, _, budget = args.holdout.partition(":")
-        (width, layers), = parse_sizes(size)
-        budget = parse_count(budget or "0", "--holdout")
+    if holdout is not None:
+        width, layers, budget = holdout
         done = (out / "holdout" / point_name(width, layers, budget) / POINT).is_file()
         if done or not args.fit_only:
             check = ensure_point(base, width, layers, budget, out / "holdout", print)

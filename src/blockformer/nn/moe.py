@@ -115,16 +115,17 @@ class MoEFeedForward(nn.Module):
         )
         xs = flat[sorted_tokens]  # (k N, d): tokens grouped by expert
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        w = (self.weight("w_up", dtype), self.weight("w_down", dtype))  # cast (or dequantized) once
         if self.training and self.capacity_factor > 0:
             capacity = max(1, math.ceil(self.capacity_factor * N * k / E))
-            out, kept = self._padded(xs, sorted_experts, counts, capacity, dtype)
-        elif _grouped_mm_ok(xs, self.weight("w_up", dtype), self.weight("w_down", dtype), dtype):
-            out, kept = self._grouped(xs, sorted_experts, counts, dtype), sorted_experts < E
+            out, kept = self._padded(xs, sorted_experts, counts, capacity, w)
+        elif _grouped_mm_ok(xs, *w, dtype):
+            out, kept = self._grouped(xs, sorted_experts, counts, w), sorted_experts < E
         else:
             # Dropless without grouped_mm: one padded slot per token and expert is always enough
             # (top-k picks distinct experts); eagerly, only as many as the fullest expert needs.
             capacity = N if torch.compiler.is_compiling() else max(1, int(counts[:E].max()))
-            out, kept = self._padded(xs, sorted_experts, counts, capacity, dtype)
+            out, kept = self._padded(xs, sorted_experts, counts, capacity, w)
         contribution = torch.where(kept[:, None], out * sorted_gates.to(out.dtype)[:, None], 0.0)
         y = torch.zeros(N, shape[-1], dtype=out.dtype, device=x.device).index_add_(0, sorted_tokens, contribution)
         self.stats = {
@@ -176,36 +177,40 @@ class MoEFeedForward(nn.Module):
             return self.act(gate) * h
         return self.act(h)
 
-    def _grouped(self, xs: torch.Tensor, sorted_experts: torch.Tensor, counts: torch.Tensor, dtype) -> torch.Tensor:
+    def _grouped(self, xs: torch.Tensor, sorted_experts: torch.Tensor, counts: torch.Tensor,
+                 w: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """One grouped matmul per projection over the sorted rows; padding rows (at the end)
         join the last group and are discarded by the caller."""
         E = self.n_experts
         offs = counts[:E].cumsum(0)
         offs = torch.cat([offs[:-1], offs.new_full((1,), xs.shape[0])]).to(torch.int32)
         expert_of_row = sorted_experts.clamp(max=E - 1)
-        h = F.grouped_mm(xs.to(dtype), self.weight("w_up", dtype), offs=offs)
+        (w_up, w_down), dtype = w, w[0].dtype
+        h = F.grouped_mm(xs.to(dtype), w_up, offs=offs)
         if self.b_up is not None:
             h = h + self.b_up.to(dtype)[expert_of_row]
-        out = F.grouped_mm(self._ffn(h).contiguous(), self.weight("w_down", dtype), offs=offs)
+        out = F.grouped_mm(self._ffn(h).contiguous(), w_down, offs=offs)
         if self.b_down is not None:
             out = out + self.b_down.to(dtype)[expert_of_row]
         return out
 
     def _padded(
-        self, xs: torch.Tensor, sorted_experts: torch.Tensor, counts: torch.Tensor, capacity: int, dtype
+        self, xs: torch.Tensor, sorted_experts: torch.Tensor, counts: torch.Tensor, capacity: int,
+        w: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Batched matmuls over an (E, capacity, d) buffer; rows past an expert's capacity
         are dropped. Returns each sorted row's output and whether it was kept."""
         E, C, d = self.n_experts, capacity, xs.shape[-1]
+        (w_up, w_down), dtype = w, w[0].dtype
         starts = counts.cumsum(0) - counts
         rank = torch.arange(xs.shape[0], device=xs.device) - starts[sorted_experts]
         kept = (rank < C) & (sorted_experts < E)
         slot = torch.where(kept, sorted_experts * C + rank, E * C)  # E * C: a slot for the rest
         buffer = torch.zeros(E * C + 1, d, dtype=dtype, device=xs.device).index_copy(0, slot, xs.to(dtype))
-        h = torch.bmm(buffer[:-1].view(E, C, d), self.weight("w_up", dtype))  # (E, C, width)
+        h = torch.bmm(buffer[:-1].view(E, C, d), w_up)  # (E, C, width)
         if self.b_up is not None:
             h = h + self.b_up.to(dtype)[:, None]
-        out = torch.bmm(self._ffn(h), self.weight("w_down", dtype))  # (E, C, d)
+        out = torch.bmm(self._ffn(h), w_down)  # (E, C, d)
         if self.b_down is not None:
             out = out + self.b_down.to(dtype)[:, None]
         out = torch.cat([out.reshape(E * C, d), out.new_zeros(1, d)])

@@ -26,8 +26,8 @@ from ..run_config import RunConfig
 POINT = "point.json"
 SUMMARY = "summary.json"
 PLOT = "sweep.png"
-# The built-in stdlib sweep (~16M training tokens: an estimated 20 minutes on 2 idle CPU cores
-# in bf16, from the demo model's throughput), and its check run.
+# The built-in stdlib sweep (~16M training tokens; 11.5 minutes on 2 CPU cores in bf16 with its
+# check run, BENCHMARKS.md), and its check run.
 DEFAULT_SIZES = "32x2,64x2,128x3,192x4"
 DEFAULT_TOKENS = "500k,1M,2M"
 DEFAULT_HOLDOUT = "256x4:2M"

@@ -145,6 +145,18 @@ CASES = [
     ["probe", "gradients", "--depths", "8,x"],
     ["probe", "cost", "--device", "cuda"] if not torch.cuda.is_available() else ["probe", "cost", "--device", "tpu"],
     ["probe", "attention", "--checkpoint", "{missing}"],
+    ["probe", "length", "--steps", "0"],
+    ["probe", "length", "--schemes", "rope,absolute"],
+    ["probe", "length", "--factors", "1,x"],
+    # scaling sweeps
+    ["sweep", "--sizes", "64"],
+    ["sweep", "--tokens", "lots"],
+    ["sweep", "--preset", "copy"],
+    ["sweep", "--bootstrap", "-1"],
+    ["sweep", "--fit-only"],
+    ["sweep", "--holdout", "64:1M"],
+    ["sweep", "--holdout", "64x2"],
+    ["sweep", "--budget", "-1"],
 ]
 
 

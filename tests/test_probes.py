@@ -263,7 +263,7 @@ def test_format_table_aligns_wide_characters():
 
 
 def test_every_probe_is_registered():
-    assert list(PROBES) == ["toy", "equivariance", "gradients", "scale", "depth", "cost", "attention"]
+    assert list(PROBES) == ["toy", "equivariance", "gradients", "scale", "depth", "cost", "attention", "length"]
     with pytest.raises(UsageError, match="did you mean 'toy'"):
         run_probe("tyo")
 

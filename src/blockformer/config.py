@@ -31,6 +31,7 @@ ResidualTarget = Literal["branch", "trunk"]
 Position = Literal["none", "sinusoidal", "learned", "rope", "alibi", "relative"]
 GeluApprox = Literal["none", "tanh"]
 SinusoidLayout = Literal["interleaved", "split"]
+RopeScaling = Literal["none", "linear", "ntk"]
 
 GATED_FFNS = ("swiglu", "geglu")
 ADDITIVE_POSITIONS = ("sinusoidal", "learned")  # added to the token embeddings
@@ -90,6 +91,18 @@ class TransformerConfig:
     head_bias: bool = False  # a bias on the output head (BERT MLM, BART/Marian final_logits_bias)
     output_scale: float = 1.0  # multiplies the final hidden states before the head (T5: d_model^-0.5)
     pooler: bool = False  # encoder: dense + tanh on the first position, ``model.pool`` (BERT)
+    # --- mixture-of-experts FFN (nn/moe.py); ffn_experts=0 keeps the dense FFN
+    ffn_experts: int = 0  # E experts per block, each an FFN of kind `ffn` and width expert_d_ff
+    experts_top_k: int = 2  # experts each token is routed to (token choice, top-k renormalised)
+    expert_d_ff: int | None = None  # None: d_ff
+    shared_experts: int = 0  # experts every token also passes through (one FFN of that many widths)
+    expert_capacity_factor: float = 0.0  # training: slots per expert = factor * tokens * k / E; 0 = dropless
+    router_aux_coef: float = 0.01  # load-balancing loss E * sum_e f_e P_e (Switch, Fedus et al. 2021)
+    router_z_coef: float = 0.001  # router z-loss mean(logsumexp(logits)^2) (ST-MoE, Zoph et al. 2022)
+    # --- context length (nn/position.py, nn/stack.py)
+    rope_scaling: RopeScaling = "none"  # extend a trained rope model: "linear" interpolation or "ntk"-aware
+    rope_scaling_factor: float = 1.0  # the context's growth factor s the scaling targets
+    attention_window: int = 0  # > 0: each query sees the last `attention_window` positions; KV cache bounded
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -104,6 +117,8 @@ class TransformerConfig:
             self.d_ff = (
                 _round_up(8 * self.d_model // 3, 8) if self.ffn in GATED_FFNS else 4 * self.d_model
             )
+        if self.ffn_experts and self.expert_d_ff is None:
+            self.expert_d_ff = self.d_ff
         if self.arch == "encoder-decoder":
             self.n_encoder_layers = self.n_encoder_layers or self.n_layers
             self.n_decoder_layers = self.n_decoder_layers or self.n_layers
@@ -173,9 +188,25 @@ class TransformerConfig:
                 "scale alpha > 1 compounds through depth without a norm after each sum; "
                 "use residual_scale_target='branch' with pre-norm"
             )
+        self._validate_experts()
+        _require(self, "attention_window", self.attention_window >= 0, "an integer >= 0 (0: no window)")
+        _require(self, "rope_scaling_factor", self.rope_scaling_factor >= 1.0, "a float >= 1")
+        if self.rope_scaling != "none":
+            _require(self, "rope_scaling", self.position == "rope", "'none' unless position='rope'")
         if self.arch != "encoder-decoder":
             for name in ("n_encoder_layers", "n_decoder_layers", "src_vocab_size"):
                 _require(self, name, getattr(self, name) is None, "None unless arch='encoder-decoder'")
+
+    def _validate_experts(self) -> None:
+        _require(self, "ffn_experts", self.ffn_experts >= 0, "an integer >= 0 (0: dense FFN)")
+        _require(self, "shared_experts", self.shared_experts >= 0, "an integer >= 0")
+        _require(self, "expert_capacity_factor", self.expert_capacity_factor >= 0, "a float >= 0 (0: dropless)")
+        for name in ("router_aux_coef", "router_z_coef"):
+            _require(self, name, getattr(self, name) >= 0, "a float >= 0")
+        _require(self, "expert_d_ff", self.expert_d_ff is None or self.expert_d_ff >= 1, "an integer >= 1 or None")
+        if self.ffn_experts:
+            _require(self, "experts_top_k", 1 <= self.experts_top_k <= self.ffn_experts,
+                     f"an integer in [1, ffn_experts={self.ffn_experts}]")
 
     # ------------------------------------------------------------------ derived values
     @property

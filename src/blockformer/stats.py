@@ -27,13 +27,29 @@ def _layer_matmul_params(cfg: TransformerConfig, cross: bool) -> int:
     attn = d * (d + 2 * kv) + d * d
     if cross:
         attn += d * d + d * 2 * kv + d * d
-    ffn = d * cfg.d_ff * (3 if cfg.ffn in ("swiglu", "geglu") else 2)
+    per_width = d * (3 if cfg.ffn in ("swiglu", "geglu") else 2)  # matmul weights per unit of d_ff
+    if cfg.ffn_experts:  # what one token uses: the router, its k experts, the shared ones
+        ffn = d * cfg.ffn_experts + per_width * cfg.expert_d_ff * (cfg.experts_top_k + cfg.shared_experts)
+    else:
+        ffn = per_width * cfg.d_ff
     return attn + ffn
 
 
+def active_parameters(model: nn.Module, cfg: TransformerConfig) -> int:
+    """Parameters one token uses: all of them, less the experts it is not routed to
+    (E - k of each MoE layer's E experts). Equal to ``count_parameters`` for a dense model."""
+    from .nn.moe import moe_layers  # noqa: PLC0415
+
+    idle = 0
+    for m in moe_layers(model):
+        experts = sum(p.numel() for p in (m.w_up, m.w_down, m.b_up, m.b_down) if p is not None)
+        idle += experts * (m.n_experts - m.top_k) // m.n_experts
+    return count_parameters(model) - idle
+
+
 def flops_per_token(cfg: TransformerConfig, seq_len: int | None = None, *, training: bool = True) -> float:
-    """Matmul FLOPs to process one (target) token: ``2 * N`` forward (N = matmul weights,
-    the output head included) plus the attention scores ``2 * 2 * L * T * d``; training
+    """Matmul FLOPs to process one (target) token: ``2 * N`` forward (N = matmul weights a
+    token uses, the output head included; for MoE the router and k experts, not E) plus the attention scores ``2 * 2 * L * T * d``; training
     triples it for the backward pass (Kaplan et al. 2020; PaLM appendix B). For an
     encoder-decoder, a source token of the same length is counted with each target token.
     """

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "average": ("average", "average the weights of several checkpoints"),
     "convert": ("convert", "import a Hugging Face checkpoint (--from-hf) or export one (--to-hf)"),
     "probe": ("probe", "run one of the seed's claims as an experiment (toy, equivariance, ...)"),
+    "sweep": ("sweep", "train a grid of sizes x token budgets and fit scaling laws to it"),
 }
 
 

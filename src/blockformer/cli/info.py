@@ -37,7 +37,7 @@ def model_info(cfg: RunConfig, batch_size: int | None = None, seq_len: int | Non
     import torch  # noqa: PLC0415
 
     from ..models import build_model  # noqa: PLC0415
-    from ..stats import count_parameters, flops_per_token, memory_estimate  # noqa: PLC0415
+    from ..stats import active_parameters, count_parameters, flops_per_token, memory_estimate  # noqa: PLC0415
 
     m = cfg.model
     T = seq_len if seq_len is not None else (cfg.data.seq_len if m.arch == "decoder" else m.max_seq_len)
@@ -59,6 +59,7 @@ def model_info(cfg: RunConfig, batch_size: int | None = None, seq_len: int | Non
         "vocab_size": m.vocab_size,
         "parameters": count_parameters(model),
         "parameters_without_embeddings": count_parameters(model, exclude_embeddings=True),
+        "active_parameters": active_parameters(model, m),
         "flops_per_token": flops_per_token(m, T),
         "batch_size": B,
         "seq_len": T,
@@ -96,10 +97,14 @@ def run(args: argparse.Namespace) -> int:
     mem = info["memory_bytes"]
     m = cfg.model
     layers = f"{m.n_encoder_layers}+{m.n_decoder_layers}" if m.arch == "encoder-decoder" else m.n_layers
+    ffn = f"{m.ffn_experts} experts of d_ff {m.expert_d_ff}, top-{m.experts_top_k}" if m.ffn_experts else f"d_ff {m.d_ff}"
     print(f"arch         {m.arch}: {layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
-          f"d_ff {m.d_ff}, vocab {m.vocab_size}")
+          f"{ffn}, vocab {m.vocab_size}")
     print(f"parameters   {info['parameters']:,} "
           f"({info['parameters_without_embeddings']:,} without embeddings)")
+    if m.ffn_experts:
+        print(f"active       {info['active_parameters']:,} per token ({m.experts_top_k} of {m.ffn_experts} "
+              f"experts{f' + {m.shared_experts} shared' if m.shared_experts else ''}); FLOPs count these")
     print(f"FLOPs/token  {info['flops_per_token']:.3e} "
           f"(training: forward + backward, seq_len {info['seq_len']})")
     print(f"memory       {_gib(mem['total_bytes'])} for a micro-batch of {info['batch_size']} x "

@@ -45,6 +45,12 @@ HELP = {
     "preset": "without --checkpoint: build a random model from this preset's [model]",
     "arch": "random model: encoder, decoder or encoder-decoder",
     "position": "random model: none, sinusoidal, learned, rope, alibi or relative",
+    "schemes": "comma-separated position schemes: none, sinusoidal, learned, rope, alibi, relative",
+    "train_len": "training context T",
+    "factors": "comma-separated multiples of T to evaluate at",
+    "text_kb": "kilobytes of stdlib text read (the first 90 percent trains, the rest is held out)",
+    "eval_windows": "held-out windows averaged",
+    "extensions": "also evaluate the trained rope model with linear / NTK scaling and a window of T",
 }
 
 

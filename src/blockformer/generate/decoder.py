@@ -97,10 +97,8 @@ def generate(
         eos_index = torch.tensor([eos_id if eos_id is not None else 0], device=device)
         if use_cache:
             cache, step = prepare_step(model, decode_step, B, P + N, compile=compile, compile_mode=compile_mode)
-            cache_pos = torch.arange(P, device=device)
-            logits = model(tokens, attention_mask=mask, positions=positions, cache=cache,
-                           cache_pos=cache_pos)[:, -1]  # prefill
-            cache_pos = cache_pos[-1:] + 1  # (1,): the slot the next token fills
+            logits = prefill(model, tokens, positions, mask, cache)
+            cache_pos = torch.tensor([P], device=device)  # (1,): the slot the next token fills
         else:
             seq, seq_mask, seq_pos = tokens, mask, positions
             logits = model(seq, attention_mask=seq_mask, positions=seq_pos)[:, -1]
@@ -133,6 +131,23 @@ def generate(
                 logits = model(seq, attention_mask=seq_mask, positions=seq_pos)[:, -1]
             next_pos = next_pos + 1
     return _trim(out.tolist(), eos_id, stop_sequences, cuts)
+
+
+def prefill(
+    model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache
+) -> torch.Tensor:
+    """Write the prompt into ``cache``; the logits (B, V) after its last token. A sliding-
+    window model's ring cache takes the prompt in chunks of ``slots - window + 1`` tokens, so
+    no chunk overwrites a key that one of its own queries still sees."""
+    P = tokens.shape[1]
+    window = getattr(getattr(model, "cfg", None), "attention_window", 0)
+    chunk = cache.max_len - window + 1 if window else P
+    for start in range(0, P, chunk):
+        part = slice(start, min(P, start + chunk))
+        cache_pos = torch.arange(part.start, part.stop, device=tokens.device)
+        logits = model(tokens[:, part], positions=positions[:, part], attention_mask=mask[:, part], cache=cache,
+                       cache_pos=cache_pos)
+    return logits[:, -1]
 
 
 def _host_callbacks(tokens, was_done, eos_id, host_ids, cuts, i, on_token, stop, done) -> torch.Tensor:

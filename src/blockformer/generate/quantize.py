@@ -141,9 +141,9 @@ SCHEMES = ("int8", "int4")
 def quantize(model: nn.Module, scheme: str | None, group_size: int = 128) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (attention, FFN, output head) in place by an
     ``Int8Linear`` or ``Int4Linear`` (``scheme=None``: leave the model as it is).
-    Embeddings and norms keep their dtype; a head tied to the embedding gets its own
-    quantized copy. Quantize after moving the model to its device. Returns ``model``, in
-    eval mode."""
+    Embeddings, norms and MoE routers keep their dtype; stacked MoE experts are stored in
+    int8 under either scheme; a head tied to the embedding gets its own quantized copy.
+    Quantize after moving the model to its device. Returns ``model``, in eval mode."""
     if scheme is None:
         return model
     if scheme not in SCHEMES:
@@ -153,6 +153,8 @@ def quantize(model: nn.Module, scheme: str | None, group_size: int = 128) -> nn.
             if isinstance(child, nn.Linear):
                 q = Int8Linear(child) if scheme == "int8" else Int4Linear(child, group_size)
                 setattr(module, name, q)
+        if hasattr(module, "quantize_experts"):  # stacked MoE experts: int8 under either scheme
+            module.quantize_experts()
     return model.eval()
 
 

@@ -11,6 +11,7 @@ from ..config import TransformerConfig
 from ..nn.attention import Attention
 from ..nn.feedforward import FeedForward
 from ..nn.kv_cache import KVCache
+from ..nn.moe import MoEFeedForward
 from ..nn.position import RelativeBias
 from .head_layers import HeadTransform
 
@@ -70,6 +71,8 @@ class TransformerModel(nn.Module):
                 if deepnet:
                     module.down.weight.mul_(beta)
                     module.up.weight.mul_(beta)
+            elif isinstance(module, MoEFeedForward):
+                module.reset_parameters(std, out_std, beta if deepnet else 1.0)
             elif isinstance(module, RelativeBias):
                 nn.init.normal_(module.table.weight, 0.0, cfg.d_model**-0.5)  # T5's scale
 
@@ -81,10 +84,14 @@ class TransformerModel(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> KVCache:
-        """A preallocated cache for decoding up to ``max_len`` target tokens."""
+        """A preallocated cache for decoding up to ``max_len`` target tokens. With a sliding
+        window it holds at most two windows (a ring: any length decodes in bounded memory;
+        feed it at most ``window + 1`` tokens a call)."""
         param = next(self.parameters())
         # The attention layers' own head count: a tensor-parallel rank holds n_kv_heads / tp.
         n_kv_heads = next(m.n_kv_heads for m in self.modules() if isinstance(m, Attention))
+        if self.cfg.attention_window:
+            max_len = min(max_len, 2 * self.cfg.attention_window)
         n_layers = self.cfg.n_decoder_layers if self.cfg.arch == "encoder-decoder" else self.cfg.n_layers
         return KVCache(
             n_layers,

@@ -33,6 +33,7 @@ class AttnInputs:
     cache: KVCache | None = None
     cache_pos: torch.Tensor | None = None  # (T,) cache slots this call writes
     memory: torch.Tensor | None = None  # cross-attention: encoder output (B, S, d_model)
+    valid: torch.Tensor | None = None  # (B, T) True for this call's real tokens (MoE routing)
 
 
 class Attention(nn.Module):

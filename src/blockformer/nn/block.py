@@ -22,6 +22,7 @@ from torch import nn
 from ..config import TransformerConfig
 from .attention import Attention, AttnInputs
 from .feedforward import FeedForward
+from .moe import MoEFeedForward
 from .norm import build_norm
 from .residual import Residual
 
@@ -51,7 +52,7 @@ class Block(nn.Module):
             self.cross_residual = Residual(cfg, n_layers)
         else:
             self.cross_attn = None
-        self.ffn = FeedForward(cfg)
+        self.ffn = MoEFeedForward(cfg) if cfg.ffn_experts else FeedForward(cfg)
         self.ffn_norm = build_norm(cfg)
         self.ffn_residual = Residual(cfg, n_layers)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -66,7 +67,10 @@ class Block(nn.Module):
         x = self._sublayer(x, self.attn_norm, self.attn_residual, lambda h: self.attn(h, ctx))
         if self.cross_attn is not None:
             x = self._sublayer(x, self.cross_norm, self.cross_residual, lambda h: self.cross_attn(h, cross_ctx))
-        return self._sublayer(x, self.ffn_norm, self.ffn_residual, self.ffn)
+        ffn = self.ffn
+        if isinstance(ffn, MoEFeedForward) and ctx.valid is not None:
+            ffn = lambda h: self.ffn(h, ctx.valid)  # noqa: E731 - padding is routed nowhere
+        return self._sublayer(x, self.ffn_norm, self.ffn_residual, ffn)
 
     def _sublayer(self, x, norm, residual, f) -> torch.Tensor:
         if self.pre_norm:

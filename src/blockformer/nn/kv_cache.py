@@ -3,7 +3,9 @@
 Shapes never change while decoding (gpt-fast's design): each call writes its keys and
 values into fixed slots given by ``cache_pos`` and attends over all ``max_len`` slots, with
 a mask hiding the slots not yet written. A compiled decode step therefore sees the same
-shapes at every token and never recompiles.
+shapes at every token and never recompiles. Position ``p`` goes to slot ``p % max_len``: with
+sliding-window attention the cache is a ring of about two windows, so decoding can run past
+``max_seq_len`` in bounded memory.
 """
 
 from __future__ import annotations
@@ -53,15 +55,17 @@ class KVCache:
     ) -> None:
         """Mark slots ``cache_pos`` (T,) as written, with their position ids (B, T)."""
         valid = torch.ones_like(positions, dtype=torch.bool) if attention_mask is None else attention_mask
-        self.valid.index_copy_(1, cache_pos, valid.bool())
-        self.pos.index_copy_(1, cache_pos, positions)
+        slots = cache_pos % self.max_len
+        self.valid.index_copy_(1, slots, valid.bool())
+        self.pos.index_copy_(1, slots, positions)
 
     def update(
         self, layer: int, cache_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``/``v`` (B, H_kv, T, head_dim) at ``cache_pos``; return all slots."""
-        self.k[layer].index_copy_(2, cache_pos, k.to(self.dtype))
-        self.v[layer].index_copy_(2, cache_pos, v.to(self.dtype))
+        slots = cache_pos % self.max_len
+        self.k[layer].index_copy_(2, slots, k.to(self.dtype))
+        self.v[layer].index_copy_(2, slots, v.to(self.dtype))
         return self.k[layer], self.v[layer]
 
     def reorder(self, index: torch.Tensor) -> None:

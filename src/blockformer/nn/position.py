@@ -66,13 +66,21 @@ class Rotary(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.half, self.base = cfg.head_dim // 2, cfg.rope_base
+        s = cfg.rope_scaling_factor
+        # Extending a trained model's context s-fold. "linear" (position interpolation, Chen et
+        # al. 2023): positions / s, so the longest context maps onto the trained angles.
+        # "ntk" (NTK-aware, bloc97 2023): base * s^(d/(d-2)), which leaves the fastest
+        # frequencies (local order) alone and slows the slowest ones by s.
+        self.position_scale = 1.0 / s if cfg.rope_scaling == "linear" else 1.0
+        if cfg.rope_scaling == "ntk":
+            self.base = cfg.rope_base * s ** (cfg.head_dim / max(cfg.head_dim - 2, 1))
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Frequencies are computed here in fp32, not kept in a buffer: `model.to(bfloat16)`
         # would round a buffer and shift every angle.
         exponent = torch.arange(self.half, device=positions.device, dtype=torch.float32) / self.half
         inv_freq = self.base**-exponent
-        angles = positions[..., None].float() * inv_freq  # (B, T, head_dim/2)
+        angles = (positions[..., None].float() * self.position_scale) * inv_freq  # (B, T, head_dim/2)
         angles = angles[:, None]  # (B, 1, T, head_dim/2): broadcast over heads
         return angles.cos(), angles.sin()
 

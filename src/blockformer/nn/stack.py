@@ -22,6 +22,7 @@ class Stack(nn.Module):
     def __init__(self, cfg: TransformerConfig, n_layers: int, *, causal: bool, cross: bool = False) -> None:
         super().__init__()
         self.causal, self.cross = causal, cross
+        self.window = cfg.attention_window  # 0: every visible position
         self.blocks = nn.ModuleList(
             Block(cfg, causal=causal, cross=cross, layer_idx=i, n_layers=n_layers) for i in range(n_layers)
         )
@@ -56,17 +57,22 @@ class Stack(nn.Module):
         else:
             if not self.causal:
                 raise ValueError("a KV cache needs a causal stack")
+            if self.window:
+                _check_ring(cache, cache_pos, self.window)
             cache.record(cache_pos, positions, attention_mask)
             k_pos, k_valid = cache.pos, cache.valid
             slots = torch.arange(cache.max_len, device=positions.device)
             causal = cache_pos[:, None] >= slots[None, :]  # (T, S): slots written so far
+        if self.window:
+            causal = _window(positions, k_pos, self.window, self.causal)  # (B, Tq, Tk)
         bias = self.bias(positions, k_pos) if self.bias is not None else None  # (B, H, Tq, Tk)
-        if cache is None and attention_mask is None and bias is None:
+        if cache is None and attention_mask is None and bias is None and not self.window:
             return AttnInputs(is_causal=self.causal, rope=rope)  # the fused kernel's own mask: no (T, T)
-        if cache is None:  # padding or a bias: the mask is materialised, (T, T)
+        if cache is None and not self.window:  # padding or a bias: the mask is materialised, (T, T)
             T, device = positions.shape[1], positions.device
             causal = torch.ones(T, T, dtype=torch.bool, device=device).tril() if self.causal else None
-        return AttnInputs(mask=_combine(causal, k_valid, bias), rope=rope, cache=cache, cache_pos=cache_pos)
+        return AttnInputs(mask=_combine(causal, k_valid, bias), rope=rope, cache=cache, cache_pos=cache_pos,
+                          valid=attention_mask)
 
     def _cross_inputs(self, memory, memory_mask, cache) -> AttnInputs:
         if cache is not None:
@@ -75,6 +81,26 @@ class Stack(nn.Module):
             memory_mask = cache.memory_mask
         mask = None if memory_mask is None else _combine(None, memory_mask, None)
         return AttnInputs(mask=mask, memory=memory, cache=cache)
+
+
+def _check_ring(cache: KVCache, cache_pos: torch.Tensor, window: int) -> None:
+    """A call that wraps a windowed model's ring cache must not overwrite keys its own
+    queries still see: at most ``slots - window + 1`` tokens. One token always fits."""
+    T, room = cache_pos.shape[0], cache.max_len - window + 1
+    if T > 1 and T > room and not torch.compiler.is_compiling() and int(cache_pos[-1]) >= cache.max_len:
+        raise ValueError(
+            f"cache_pos: {T} tokens in one call wrap the {cache.max_len}-slot ring cache of a model with "
+            f"attention_window={window}; expected at most {room} per call (feed the prompt in chunks)"
+        )
+
+
+def _window(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
+    """Sliding-window attention (Longformer, Beltagy et al. 2020; Mistral): a query sees the
+    keys less than ``window`` positions away (and, causal, not after it). Decided by position
+    ids, not cache slots, so it holds in a ring-buffer cache that has wrapped around."""
+    offset = q_pos[:, :, None] - k_pos[:, None, :]  # (B, Tq, Tk)
+    near = offset.abs() < window
+    return near & (offset >= 0) if causal else near
 
 
 def _combine(
@@ -87,7 +113,7 @@ def _combine(
     """
     keep = None
     if causal is not None:
-        keep = causal[None, None]  # (1, 1, Tq, Tk)
+        keep = causal[None, None] if causal.dim() == 2 else causal[:, None]  # (1 or B, 1, Tq, Tk)
     if key_valid is not None:
         valid = key_valid.bool()[:, None, None, :]  # (B, 1, 1, Tk)
         keep = valid if keep is None else keep & valid

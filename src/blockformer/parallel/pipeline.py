@@ -60,7 +60,7 @@ class _StackPart(nn.Module):
 
     def __init__(self, stack: Stack, blocks: dict[int, nn.Module], final: bool) -> None:
         super().__init__()
-        self.causal = stack.causal
+        self.causal, self.window = stack.causal, stack.window
         self.blocks = nn.ModuleDict({str(i): b for i, b in blocks.items()})
         self.rotary, self.bias = stack.rotary, stack.bias  # parameter-free (rope, alibi) or absent
         self.final_norm = stack.final_norm if final else None

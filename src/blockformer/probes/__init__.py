@@ -32,6 +32,7 @@ PROBES: dict[str, str] = {
     "depth": "deep Post-Norm needs learning-rate warmup, Pre-Norm does not (Xiong et al. 2020)",
     "cost": "attention memory grows as T^2; the fused kernel; a Transformer layer vs an LSTM",
     "attention": "attention weights per layer and head, with entropy, for a checkpoint or a random model",
+    "length": "loss past the training context, per position scheme; RoPE scaling and a sliding window",
 }
 
 

@@ -30,6 +30,7 @@ import torch
 from .. import parallel
 from ..errors import UsageError
 from ..models.checks import trusted_inputs
+from ..nn.moe import auxiliary_loss, routing_stats
 from ..parallel.checkpoint import (
     full_optimizer_state,
     load_optimizer_state,
@@ -234,7 +235,7 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
                 finite = [x for x in losses if math.isfinite(x)]  # skipped steps (train.nonfinite=skip) are nan
                 loss = sum(finite) / len(finite) if finite else float("nan")  # the mean since the last log
                 metrics.write({"split": "train", "step": step, "loss": loss, "lr": lr, "tokens_per_s": tok_s,
-                               **util})
+                               **util, **routing_stats(model)})
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}",
                                     mfu=f"{100 * util.get('mfu', 0):.1f}%")
@@ -320,10 +321,12 @@ def train_step(
         for batch in batches:
             # The run's own tokenizer made these ids (< vocab_size by construction): the models'
             # value checks would read them on the host, a device sync per micro-batch.
+            local = batch if par is None else par.local_batch(batch)
             with autocast(tc.precision, device), trusted_inputs():
-                rows = batch if par is None else par.local_batch(batch)
-                loss_sum = (loss_fn or objective.loss)(model, rows, tc.label_smoothing)
-            share = loss_sum / n_targets if par is None else loss_sum * par.grad_scale / n_targets
+                loss_sum = (loss_fn or objective.loss)(model, local, tc.label_smoothing)
+            aux = auxiliary_loss(model)  # what modules (MoE routers) recorded in this forward, or None
+            objective_sum = loss_sum if aux is None else loss_sum + aux * objective.count_targets(local)
+            share = objective_sum / n_targets if par is None else objective_sum * par.grad_scale / n_targets
             scaler.scale(share).backward()
             total += loss_sum.detach()
         total = parallel.loss_total(par, total)

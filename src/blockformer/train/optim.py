@@ -25,6 +25,8 @@ def param_groups(
     further by learning rate (``lr * lr_scale(name)``) when ``lr_scale`` is given."""
     embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     groups: dict[tuple[bool, float], list[nn.Parameter]] = {(True, 1.0): [], (False, 1.0): []}
+    # Modules may name more parameters that are not matrices in this sense (stacked expert biases).
+    embedding_ids |= {id(p) for m in model.modules() if hasattr(m, "no_weight_decay") for p in m.no_weight_decay()}
     seen = set()
     for name, p in model.named_parameters():
         if id(p) in seen or not p.requires_grad:

@@ -1,0 +1,174 @@
+"""Scaling laws fitted to measured losses: Chinchilla's L(N, D) and Kaplan's L(N).
+
+Chinchilla (Hoffmann et al. 2022, approach 3): ``L(N, D) = E + A / N^alpha + B / D^beta``,
+fitted as they did: minimise the Huber loss (delta 1e-3) between
+``log L_hat = LSE(a - alpha log N, b - beta log D, e)`` (A = e^a, B = e^b, E = e^e) and
+``log L``, with L-BFGS started from the best points of a grid. Confidence intervals come from
+refitting bootstrap resamples of the runs. Kaplan et al. 2020: ``L(N) = (N_c / N)^alpha_N``
+on non-embedding parameters, a line in log-log space.
+
+With training compute ``C = 6 N D``, the loss-optimal split of a budget is
+``N_opt = G (C/6)^(beta / (alpha + beta))``, ``D_opt = (C/6) / N_opt``,
+``G = (alpha A / (beta B))^(1 / (alpha + beta))``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+PARAMS = ("E", "A", "B", "alpha", "beta")
+GRID = {  # Hoffmann et al.'s grid of initialisations (theirs: a, b in 0..25 by 5, e in -1..1.5)
+    "a": [0.0, 5.0, 10.0, 15.0, 20.0, 25.0],
+    "b": [0.0, 5.0, 10.0, 15.0, 20.0, 25.0],
+    "e": [-1.0, -0.5, 0.0, 0.5, 1.0, 1.5],
+    "alpha": [0.0, 0.5, 1.0, 1.5, 2.0],
+    "beta": [0.0, 0.5, 1.0, 1.5, 2.0],
+}
+
+
+@dataclass
+class ChinchillaFit:
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+    objective: float  # the Huber loss at the optimum
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)  # 95% bootstrap
+
+    def predict(self, N: Any, D: Any) -> np.ndarray:
+        N, D = np.asarray(N, dtype=float), np.asarray(D, dtype=float)
+        return self.E + self.A / N**self.alpha + self.B / D**self.beta
+
+    def compute_optimal(self, flops: float) -> tuple[float, float]:
+        """The (N, D) minimising the predicted loss at training compute ``flops = 6 N D``."""
+        a, b = self.alpha, self.beta
+        G = (a * self.A / (b * self.B)) ** (1.0 / (a + b))
+        N = G * (flops / 6.0) ** (b / (a + b))
+        return N, flops / 6.0 / N
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class KaplanFit:
+    alpha_N: float
+    N_c: float
+    interval: tuple[float, float] | None = None  # 95% bootstrap of alpha_N
+
+    def predict(self, N: Any) -> np.ndarray:
+        return (self.N_c / np.asarray(N, dtype=float)) ** self.alpha_N
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _huber(r: torch.Tensor, delta: float) -> torch.Tensor:
+    a = r.abs()
+    return torch.where(a <= delta, 0.5 * r**2, delta * (a - 0.5 * delta))
+
+
+def _objective(theta: torch.Tensor, logN: torch.Tensor, logD: torch.Tensor, logL: torch.Tensor,
+               delta: float) -> torch.Tensor:
+    """Huber loss of log L for parameters ``theta`` (..., 5) = (a, b, e, alpha, beta)."""
+    a, b, e, alpha, beta = theta.unbind(-1)
+    terms = torch.stack([a[..., None] - alpha[..., None] * logN, b[..., None] - beta[..., None] * logD,
+                         e[..., None].expand(*e.shape, logN.shape[-1])], dim=-1)
+    return _huber(torch.logsumexp(terms, dim=-1) - logL, delta).sum(-1)
+
+
+def _lbfgs(theta0: torch.Tensor, args: tuple, delta: float) -> tuple[torch.Tensor, float]:
+    theta = theta0.clone().requires_grad_(True)
+    opt = torch.optim.LBFGS([theta], lr=1.0, max_iter=200, tolerance_grad=1e-9, tolerance_change=1e-12,
+                            history_size=20, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = _objective(theta, *args, delta)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        return theta.detach(), float(_objective(theta, *args, delta))
+
+
+def _fit_theta(N, D, L, delta: float, starts: torch.Tensor, n_best: int) -> tuple[torch.Tensor, float]:
+    args = tuple(torch.as_tensor(np.log(v), dtype=torch.float64) for v in (N, D, L))
+    with torch.no_grad():
+        values = _objective(starts, *args, delta)  # every grid point at once
+    best = None
+    for i in torch.argsort(values)[:n_best].tolist():
+        theta, value = _lbfgs(starts[i], args, delta)
+        if math.isfinite(value) and (best is None or value < best[1]):
+            best = (theta, value)
+    if best is None:
+        raise ValueError("scaling fit: no start converged to a finite loss")
+    return best
+
+
+def _to_fit(theta: torch.Tensor, value: float) -> ChinchillaFit:
+    a, b, e, alpha, beta = theta.tolist()
+    return ChinchillaFit(E=_exp(e), A=_exp(a), B=_exp(b), alpha=alpha, beta=beta, objective=value)
+
+
+def _exp(v: float) -> float:
+    """exp, with inf past float range (a degenerate resample can push a or b there)."""
+    return math.exp(v) if v < 700 else math.inf
+
+
+def fit_chinchilla(
+    N: Any, D: Any, L: Any, *, delta: float = 1e-3, n_best: int = 4, bootstrap: int = 100, seed: int = 0
+) -> ChinchillaFit:
+    """Fit ``L = E + A/N^alpha + B/D^beta`` to runs of ``N`` parameters trained on ``D``
+    tokens to loss ``L``; 95% intervals from ``bootstrap`` resamples of the runs."""
+    N, D, L = (np.asarray(v, dtype=float) for v in (N, D, L))
+    if not (len(N) == len(D) == len(L)) or len(N) < 5:
+        raise ValueError(f"scaling fit: {len(L)} runs; expected at least 5 (N, D, loss) triples, one per run")
+    if (N <= 0).any() or (D <= 0).any() or (L <= 0).any():
+        raise ValueError("scaling fit: N, D and the losses must all be > 0")
+    starts = torch.tensor(list(itertools.product(*GRID.values())), dtype=torch.float64)
+    theta, value = _fit_theta(N, D, L, delta, starts, n_best)
+    fit = _to_fit(theta, value)
+    if bootstrap:
+        rng = np.random.default_rng(seed)
+        samples = []
+        for _ in range(bootstrap):
+            idx = rng.integers(0, len(L), len(L))
+            t, _ = _fit_theta(N[idx], D[idx], L[idx], delta, theta[None], 1)  # from the full fit
+            samples.append(asdict(_to_fit(t, 0.0)))
+        fit.intervals = {
+            p: (float(np.percentile([s[p] for s in samples], 2.5)), float(np.percentile([s[p] for s in samples], 97.5)))
+            for p in PARAMS
+        }
+    return fit
+
+
+def fit_kaplan(N: Any, L: Any, *, bootstrap: int = 200, seed: int = 0) -> KaplanFit:
+    """``L(N) = (N_c / N)^alpha_N``: least squares on ``log L = alpha_N log N_c - alpha_N log N``."""
+    N, L = np.asarray(N, dtype=float), np.asarray(L, dtype=float)
+    if len(N) < 2 or len(np.unique(N)) < 2:
+        raise ValueError(f"Kaplan fit: {len(np.unique(N))} distinct model sizes; expected at least 2")
+
+    def line(n, l):
+        slope, intercept = np.polyfit(np.log(n), np.log(l), 1)
+        return -slope, math.exp(intercept / -slope) if slope != 0 else float("inf")
+
+    alpha, n_c = line(N, L)
+    interval = None
+    if bootstrap and len(N) > 2:
+        rng = np.random.default_rng(seed)
+        alphas = []
+        for _ in range(bootstrap):
+            idx = rng.integers(0, len(N), len(N))
+            if len(np.unique(N[idx])) > 1:
+                alphas.append(line(N[idx], L[idx])[0])
+        interval = (float(np.percentile(alphas, 2.5)), float(np.percentile(alphas, 97.5)))
+    return KaplanFit(alpha_N=alpha, N_c=n_c, interval=interval)

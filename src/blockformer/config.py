@@ -35,6 +35,8 @@ SinusoidLayout = Literal["interleaved", "split"]
 GATED_FFNS = ("swiglu", "geglu")
 ADDITIVE_POSITIONS = ("sinusoidal", "learned")  # added to the token embeddings
 BIAS_POSITIONS = ("alibi", "relative")  # added to the attention scores
+Input = Literal["tokens", "patches", "frames"]
+PatchPosition = Literal["learned", "sinusoidal", "none"]
 
 
 @dataclass
@@ -90,6 +92,15 @@ class TransformerConfig:
     head_bias: bool = False  # a bias on the output head (BERT MLM, BART/Marian final_logits_bias)
     output_scale: float = 1.0  # multiplies the final hidden states before the head (T5: d_model^-0.5)
     pooler: bool = False  # encoder: dense + tanh on the first position, ``model.pool`` (BERT)
+    # --- other inputs (models/inputs.py): what the encoder reads instead of token ids
+    input: Input = "tokens"  # patches: images (B, C, H, W); frames: real vectors (B, T, frame_dim)
+    image_height: int = 8  # patches: the largest image; narrower images are padded (and masked)
+    image_width: int = 8
+    image_channels: int = 1
+    patch_size: int = 2  # P x P pixels per patch
+    patch_position: PatchPosition = "learned"  # 2-D (row, column) signal; the patch stack gets no 1-D one
+    frame_dim: int = 1  # frames: features per frame; their positions follow `position`
+    cls_token: bool = False  # a learned vector before the patches/frames, for `cls` pooling
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -173,9 +184,34 @@ class TransformerConfig:
                 "scale alpha > 1 compounds through depth without a norm after each sum; "
                 "use residual_scale_target='branch' with pre-norm"
             )
+        self._validate_input()
         if self.arch != "encoder-decoder":
             for name in ("n_encoder_layers", "n_decoder_layers", "src_vocab_size"):
                 _require(self, name, getattr(self, name) is None, "None unless arch='encoder-decoder'")
+
+    def _validate_input(self) -> None:
+        for name in ("image_height", "image_width", "image_channels", "patch_size", "frame_dim"):
+            _require(self, name, getattr(self, name) >= 1, "an integer >= 1")
+        if self.input == "tokens":
+            _require(self, "cls_token", not self.cls_token, "False with input='tokens' (the text has <s>)")
+            return
+        _require(self, "arch", self.arch != "decoder",
+                 f"'encoder' or 'encoder-decoder' with input={self.input!r} (the encoder reads it)")
+        if self.input == "patches":
+            for name in ("image_height", "image_width"):
+                _require(self, name, getattr(self, name) % self.patch_size == 0,
+                         f"a multiple of patch_size={self.patch_size}")
+            if self.patch_position != "none":
+                _require(self, "d_model", self.d_model % 4 == 0,
+                         "a multiple of 4 with 2-D patch positions (half the width each for row and column)")
+            grid = (self.image_height // self.patch_size) * (self.image_width // self.patch_size)
+            _require(self, "max_seq_len", self.max_seq_len >= grid + self.cls_token,
+                     f">= the {grid} patches{' + the class token' if self.cls_token else ''}")
+
+    @property
+    def n_patches(self) -> int:
+        """Patches of the largest image (patches only)."""
+        return (self.image_height // self.patch_size) * (self.image_width // self.patch_size)
 
     # ------------------------------------------------------------------ derived values
     @property

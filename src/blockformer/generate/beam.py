@@ -77,7 +77,7 @@ def beam_search(
 
     with eval_mode(model):
         rows = torch.arange(B, device=device).repeat_interleave(K)  # beam row -> sentence
-        memory, memory_mask = model.encode(src, src_mask)[rows], src_mask[rows]  # (B*K, S, d)
+        memory, memory_mask = model.encode(src, src_mask)[rows], model.hidden_mask(src_mask)[rows]  # (B*K, S, d)
         history = torch.full((B * K, T + 1), bos_id, dtype=torch.long, device=device)  # col 0: bos
         scores = torch.zeros(B, K, device=device)
         scores[:, 1:] = float("-inf")  # all beams start equal: expand only the first

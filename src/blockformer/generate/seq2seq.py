@@ -39,8 +39,16 @@ def target_limits(model: nn.Module, src_mask: torch.Tensor, max_len: int | None)
 def source_batch(
     model: nn.Module, src: torch.Tensor | Sequence[Sequence[int]], src_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``(src, src_mask)`` on the model's device, from a tensor or id lists."""
+    """Right-padded ``(src, src_mask)`` on the model's device, from a tensor or id lists.
+    A model whose encoder reads patches or frames takes a float tensor (images or frames)
+    and a mask of its real patches or frames (default: all real)."""
     device = model_device(model)
+    adapter = getattr(model, "src_embed", None)
+    if hasattr(adapter, "default_mask"):  # models/inputs.py
+        if not isinstance(src, torch.Tensor) or not src.is_floating_point():
+            raise UsageError(f"src: expected a float tensor of {model.cfg.input} for this model's encoder")
+        src = src.to(device)
+        return src, (adapter.default_mask(src) if src_mask is None else src_mask.to(device=device, dtype=torch.bool))
     if not isinstance(src, torch.Tensor):
         return pad_batch(src, left=False, name="sources", device=device)
     if src.dim() != 2 or src.shape[1] == 0:
@@ -76,6 +84,7 @@ def greedy_decode(
         done = torch.zeros(B, dtype=torch.bool, device=device)
         tok = torch.full((B, 1), bos_id, dtype=torch.long, device=device)
         memory = model.encode(src, src_mask)
+        src_mask = model.hidden_mask(src_mask)  # the memory's mask (a class token adds a position)
         if use_cache:
             cache, step = prepare_step(model, seq2seq_step, B, T, compile=compile, compile_mode=compile_mode)
             cache_pos = torch.zeros(1, dtype=torch.long, device=device)

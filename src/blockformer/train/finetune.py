@@ -41,6 +41,8 @@ def pooling_for(cfg: RunConfig) -> str:
     position has read the whole text), ``cls`` otherwise."""
     if cfg.head.pooling != "auto":
         return cfg.head.pooling
+    if cfg.model.input != "tokens" and not cfg.model.cls_token:
+        return "mean"  # patches or frames without a class token: no position summarises the rest
     return "last" if cfg.model.arch == "decoder" else "cls"
 
 

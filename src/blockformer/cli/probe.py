@@ -45,6 +45,8 @@ HELP = {
     "preset": "without --checkpoint: build a random model from this preset's [model]",
     "arch": "random model: encoder, decoder or encoder-decoder",
     "position": "random model: none, sinusoidal, learned, rope, alibi or relative",
+    "image": "a checkpoint reading patches: the index of the held-out test image to show",
+    "png": "a checkpoint reading patches: a PNG image to show instead of --image",
 }
 
 

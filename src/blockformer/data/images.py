@@ -6,8 +6,9 @@ downloaded. Pixels are scaled to [0, 1]. The splits are fixed: 360 test images (
 stratified, ``random_state=0``), then 10% of the rest for validation (what the trainer
 evaluates and keeps its best checkpoint by), leaving 1,293 for training.
 
-Augmentation that suits 8x8 digits: shifts of up to a pixel or two (``shift``), filled
-with background; flips and rotations would turn a 6 into a 9 or a 2 into a mirror glyph.
+Augmentation that suits 8x8 digits: shifts of up to a pixel or two (``shift``) into the
+empty border, so no stroke is cut; flips and rotations would turn a 6 into a 9 or a 2 into
+a mirror glyph.
 
 ``digit_strings`` puts 1..k digits of a split side by side (8 x 8k pixels, the image as
 wide as its string), the task an encoder reading patches and a decoder writing the digit
@@ -54,15 +55,28 @@ def load_digits_split(split: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def shift(images: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
-    """Each image moved by a random whole number of pixels in [-max_shift, max_shift] along
-    each axis, the uncovered border filled with 0 (background)."""
+    """Each image moved by a random whole number of pixels, at most ``max_shift`` along each
+    axis and never further than its empty border reaches: no stroke leaves the frame (the
+    digits are scaled to fill their 8x8 box, so a blind shift would cut many). The
+    uncovered border is filled with 0 (background)."""
     if max_shift <= 0:
         return images
     B, C, H, W = images.shape
-    s = max_shift
-    padded = torch.nn.functional.pad(images, (s, s, s, s))
-    moves = torch.randint(0, 2 * s + 1, (B, 2), generator=generator).tolist()
-    return torch.stack([padded[b, :, dy : dy + H, dx : dx + W] for b, (dy, dx) in enumerate(moves)])
+    ink_rows = (images > 0).any(dim=1).any(dim=2)  # (B, H)
+    ink_cols = (images > 0).any(dim=1).any(dim=1)  # (B, W)
+    out = torch.zeros_like(images)
+    u = torch.rand(B, 2, generator=generator).tolist()
+    for b in range(B):
+        r, c = ink_rows[b].nonzero().flatten(), ink_cols[b].nonzero().flatten()
+        if len(r) == 0:
+            out[b] = images[b]
+            continue
+        lo_y, hi_y = -min(max_shift, int(r[0])), min(max_shift, H - 1 - int(r[-1]))
+        lo_x, hi_x = -min(max_shift, int(c[0])), min(max_shift, W - 1 - int(c[-1]))
+        dy = lo_y + int(u[b][0] * (hi_y - lo_y + 1))  # uniform over the allowed moves
+        dx = lo_x + int(u[b][1] * (hi_x - lo_x + 1))
+        out[b] = torch.roll(images[b], shifts=(dy, dx), dims=(1, 2))  # only background wraps around
+    return out
 
 
 # ---------------------------------------------------------------------- strings of digits

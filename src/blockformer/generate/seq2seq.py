@@ -61,6 +61,13 @@ def source_batch(
     return src, src_mask.to(device=device, dtype=torch.bool)
 
 
+def memory_mask(model: nn.Module, src_mask: torch.Tensor) -> torch.Tensor:
+    """The mask of the encoder's output: ``src_mask``, or for an encoder reading patches or
+    frames with a class token, that token's position in front (``models/inputs.py``)."""
+    hidden_mask = getattr(model, "hidden_mask", None)
+    return src_mask if hidden_mask is None else hidden_mask(src_mask)
+
+
 def greedy_decode(
     model: nn.Module,
     src: torch.Tensor | Sequence[Sequence[int]],
@@ -84,7 +91,7 @@ def greedy_decode(
         done = torch.zeros(B, dtype=torch.bool, device=device)
         tok = torch.full((B, 1), bos_id, dtype=torch.long, device=device)
         memory = model.encode(src, src_mask)
-        src_mask = model.hidden_mask(src_mask)  # the memory's mask (a class token adds a position)
+        src_mask = memory_mask(model, src_mask)
         if use_cache:
             cache, step = prepare_step(model, seq2seq_step, B, T, compile=compile, compile_mode=compile_mode)
             cache_pos = torch.zeros(1, dtype=torch.long, device=device)

@@ -211,3 +211,15 @@ def test_a_stack_reading_patches_has_no_1d_position_signal():
     cfg = dataclasses.replace(patches_cfg(), arch="encoder-decoder", position="alibi", vocab_size=20)
     ed = build_model(cfg, seed=0)
     assert ed.encoder.bias is None and ed.decoder.bias is not None
+
+
+def test_info_names_the_three_swappable_parts(capsys):
+    from blockformer.cli import main
+
+    assert main(["info", "--preset", "digits-vit"]) == 0
+    out = capsys.readouterr().out
+    assert "input        patches: 2x2 pixels of 8x8x1 images -> 16 patches, Linear(4, 64) + a class token" in out
+    assert "position     2-D learned" in out and "head         classify head (cls pooling)" in out
+    assert main(["info", "--preset", "vowels-frames", "--set", "head.pooling=auto"]) == 0
+    out = capsys.readouterr().out
+    assert "frames: 12 values per time step" in out and "1-D rope" in out and "(mean pooling)" in out

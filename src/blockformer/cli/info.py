@@ -85,7 +85,12 @@ def run(args: argparse.Namespace) -> int:
     m = cfg.model
     layers = f"{m.n_encoder_layers}+{m.n_decoder_layers}" if m.arch == "encoder-decoder" else m.n_layers
     print(f"arch         {m.arch}: {layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
-          f"d_ff {m.d_ff}, vocab {m.vocab_size}")
+          f"d_ff {m.d_ff}" + (f", vocab {m.vocab_size}" if m.input == "tokens" or m.arch != "encoder" else ""))
+    from ..models.inputs import describe_parts  # noqa: PLC0415
+    from ..train.finetune import pooling_for  # noqa: PLC0415
+
+    for part, text in describe_parts(m, cfg.head.task, pooling_for(cfg)).items():
+        print(f"{part:<12} {text}")
     print(f"parameters   {info['parameters']:,} "
           f"({info['parameters_without_embeddings']:,} without embeddings)")
     print(f"FLOPs/token  {info['flops_per_token']:.3e} "

@@ -165,3 +165,34 @@ def build_input(cfg: TransformerConfig) -> InputAdapter:
 def stack_config(cfg: TransformerConfig) -> TransformerConfig:
     """The config of the stack that reads the adapter's output: without 1-D positions for patches."""
     return dataclasses.replace(cfg, position="none") if cfg.input == "patches" else cfg
+
+
+def describe_parts(cfg: TransformerConfig, head: str = "", pooling: str = "") -> dict[str, str]:
+    """The three swappable parts in words (``blockformer info`` prints them): the input
+    adapter, the position scheme and the output head (``head``: a ``[head] task`` or empty)."""
+    if cfg.input == "patches":
+        rows, cols = cfg.image_height // cfg.patch_size, cfg.image_width // cfg.patch_size
+        dim = cfg.image_channels * cfg.patch_size**2
+        adapter = (f"patches: {cfg.patch_size}x{cfg.patch_size} pixels of {cfg.image_height}x{cfg.image_width}"
+                   f"x{cfg.image_channels} images -> {rows * cols} patches, Linear({dim}, {cfg.d_model})")
+        position = {"learned": "2-D learned (a row table + a column table)", "none": "none (the patches are a set)",
+                    "sinusoidal": "2-D sinusoidal (row sinusoids + column sinusoids)"}[cfg.patch_position]
+    elif cfg.input == "frames":
+        adapter = f"frames: {cfg.frame_dim} values per time step, Linear({cfg.frame_dim}, {cfg.d_model})"
+        position = f"1-D {cfg.position}"
+    else:
+        adapter = f"tokens: Embedding({cfg.vocab_size}, {cfg.d_model})"
+        position = f"1-D {cfg.position}"
+    if cfg.cls_token:
+        adapter += " + a class token"
+    if head and head != "none":
+        out = f"{head} head ({pooling} pooling)" if head != "tokens" else "tokens head (every position)"
+    elif cfg.arch == "encoder-decoder":
+        out = f"the decoder's token logits ({cfg.vocab_size} ids)"
+    elif cfg.input != "tokens":
+        out = "none: the hidden states (add a [head])"
+    else:
+        out = f"token logits ({cfg.vocab_size} ids)"
+    if cfg.arch == "encoder-decoder" and cfg.input != "tokens":
+        position += f"; the decoder: 1-D {cfg.position}"
+    return {"input": adapter, "position": position, "head": out}

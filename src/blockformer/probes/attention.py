@@ -279,7 +279,7 @@ def patch_run(checkpoint: str, image: int = 0, png: str = "") -> ProbeResult:
                        "reproduction_error": r["error"]})
         for h, (e, u, o) in enumerate(zip(ent, uniform, on_ink)):
             rows.append([r["module"], h, e, u, o, ink_share, r["error"]])
-    reader = "the class token" if cfg.cls_token else "all patches (mean; no class token)"
+    reader = "the class token" if cfg.cls_token else "the patches (no class token: the mean over queries)"
     return ProbeResult(
         name="attention",
         claim=f"which patches {reader} reads, per layer and head",
@@ -291,9 +291,10 @@ def patch_run(checkpoint: str, image: int = 0, png: str = "") -> ProbeResult:
         notes=[
             f"checkpoint {checkpoint}; {source}" + (f" (label {truth})" if truth is not None else "")
             + (f", predicted {predicted}" if predicted is not None else "") + f"; {n} patches.",
-            f"attention on ink: the share of {reader}'s attention on patches whose mean pixel is above "
+            f"attention on ink: the share of the attention of {reader} on patches whose mean pixel is above "
             f"{INK}; ink patches: their share of all patches (what uniform attention would give).",
-            "entropy: of the class token's row (bits); uniform: the same for even weights over all positions.",
+            "entropy (bits): of the class token's row, or of every query's row without one; uniform: "
+            "the same for even weights over all positions.",
         ],
         plotter=plot_patches,
     )

@@ -223,3 +223,13 @@ def test_info_names_the_three_swappable_parts(capsys):
     assert main(["info", "--preset", "vowels-frames", "--set", "head.pooling=auto"]) == 0
     out = capsys.readouterr().out
     assert "frames: 12 values per time step" in out and "1-D rope" in out and "(mean pooling)" in out
+
+
+def test_freezing_embeddings_freezes_the_input_adapter():
+    from blockformer.run_config import load_run_config
+    from blockformer.train.finetune import build_model_for
+
+    cfg = load_run_config(preset="digits-vit", overrides=["train.freeze=embeddings", "head.labels=a,b"])
+    model = build_model_for(cfg, seed=0, log=None)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {n for n, _ in model.named_parameters() if n.startswith("body.embed.")} and len(frozen) == 5

@@ -137,6 +137,11 @@ def test_digit_strings_train_and_decode_through_predict(tmp_path, capsys):
     records = [json.loads(line) for line in out.out.splitlines()]
     assert len(records) == 20 and all(set(r["text"]) <= set("0123456789") for r in records)
     assert "exact match" in out.err
+    probe = attention.run(checkpoint=str(tmp_path / "r"), image=0)  # cross-attention of each written character
+    (_, columns, rows), = probe.more_tables
+    assert rows and all(0.0 <= r[3] <= 1.0 or r[3] != r[3] for r in rows)  # a share, or nan past the last digit
+    grid = torch.tensor(probe.data["cross"][0]["grid"])  # (characters, 4, columns): each row sums to 1
+    torch.testing.assert_close(grid.sum(dim=(1, 2)), torch.ones(len(grid)), atol=1e-4, rtol=0)
 
 
 def test_japanese_vowels_frames_train_with_a_mean_pooled_head(tmp_path):

@@ -250,6 +250,11 @@ def patch_run(checkpoint: str, image: int = 0, png: str = "") -> ProbeResult:
     cfg, model = ckpt.config.model, ckpt.model
     if png:
         x, truth, source = read_png(png, cfg.image_height, cfg.image_width), None, png
+    elif cfg.arch == "encoder-decoder":  # the held-out digit strings it was trained to read
+        from ..train.arrays import DigitStrings  # noqa: PLC0415
+
+        images, texts = DigitStrings("test", ckpt.config, ckpt.tokenizer, 1, train=False).heldout(image + 1)
+        x, truth, source = images[image], texts[image], f"test string {image}"
     else:
         images, labels = load_digits_split("test")
         if not 0 <= image < len(labels):
@@ -262,6 +267,9 @@ def patch_run(checkpoint: str, image: int = 0, png: str = "") -> ProbeResult:
     if ckpt.config.head.task == "classify":
         with torch.no_grad():
             predicted = ckpt.config.head.labels[int(model(batch, attention_mask=mask).argmax())]
+    cross_rows, cross = [], []
+    if cfg.arch == "encoder-decoder":
+        predicted, cross_rows, cross = _cross_reads(ckpt, batch, mask, x.shape[-1] // cfg.patch_size)
     records = [r for r in capture(model, call) if not r["cross"]]
     rows_, cols_ = x.shape[-2] // cfg.patch_size, x.shape[-1] // cfg.patch_size
     n = rows_ * cols_
@@ -287,7 +295,11 @@ def patch_run(checkpoint: str, image: int = 0, png: str = "") -> ProbeResult:
                  "reproduction error"],
         rows=rows,
         data={"source": f"checkpoint {checkpoint}", "image": x[0].tolist(), "label": truth, "predicted": predicted,
-              "patch_size": cfg.patch_size, "cls_token": cfg.cls_token, "layers": layers, "ink_share": ink_share},
+              "patch_size": cfg.patch_size, "cls_token": cfg.cls_token, "layers": layers, "ink_share": ink_share,
+              "cross": cross},
+        more_tables=[("cross-attention: what the decoder reads as it writes each character (mean over heads)",
+                      ["module", "position", "writes", "on its digit's patches", "uniform"], cross_rows)]
+        if cross_rows else [],
         notes=[
             f"checkpoint {checkpoint}; {source}" + (f" (label {truth})" if truth is not None else "")
             + (f", predicted {predicted}" if predicted is not None else "") + f"; {n} patches.",
@@ -300,17 +312,54 @@ def patch_run(checkpoint: str, image: int = 0, png: str = "") -> ProbeResult:
     )
 
 
+def _cross_reads(ckpt: Any, batch: torch.Tensor, mask: torch.Tensor, cols: int) -> tuple[str, list, list]:
+    """An image-to-text model's greedy text for ``batch`` (one image), and per decoder layer
+    the cross-attention (mean over heads) of each written character over the patch grid,
+    with the share on the patches of its own digit (digits are 8 pixels wide)."""
+    from ..data.images import DIGIT_SIZE  # noqa: PLC0415
+    from ..tokenizers import BOS_ID  # noqa: PLC0415
+    from ..train.arrays import decode_images  # noqa: PLC0415
+
+    cfg, model = ckpt.config.model, ckpt.model
+    text = decode_images(model, ckpt.tokenizer, [batch[0]], cfg.patch_size)[0]
+    tgt = torch.tensor([[BOS_ID] + ckpt.tokenizer.encode(text)])
+    records = [r for r in capture(model, lambda: model(batch, tgt, src_mask=mask)) if r["cross"]]
+    slot = DIGIT_SIZE // cfg.patch_size  # patch columns per digit
+    rows, layers = [], []
+    for r in records:
+        w = r["weights"].mean(0)  # (T, N): queries are bos + the text; query k writes character k
+        grid = w.reshape(w.shape[0], -1, cols)
+        layers.append({"module": r["module"], "text": text, "grid": grid[: len(text)].tolist()})
+        for k, ch in enumerate(text):
+            own = float(grid[k, :, k * slot : (k + 1) * slot].sum()) if (k + 1) * slot <= cols else float("nan")
+            rows.append([r["module"], k, ch, own, slot / cols])
+    return text, rows, layers
+
+
 def plot_patches(result: ProbeResult, fig: Any) -> None:
     """The image, then one map over the patch grid per layer (rows) and head (columns)."""
-    layers = result.data["layers"]
+    layers, cross = result.data["layers"], result.data.get("cross") or []
     n_heads = len(layers[0]["grid"])
-    fig.set_size_inches(2.2 * (n_heads + 1) + 1, 2.2 * len(layers) + 0.6)
-    axes = fig.subplots(len(layers), n_heads + 1, squeeze=False)
+    width = max([n_heads] + [len(c["grid"]) for c in cross])
+    fig.set_size_inches(2.2 * (width + 1) + 1, 2.2 * (len(layers) + len(cross)) + 0.6)
+    axes = fig.subplots(len(layers) + len(cross), width + 1, squeeze=False)
+    for row, layer in zip(axes[len(layers) :], cross):  # what each written character reads
+        row[0].imshow(result.data["image"], cmap="gray", vmin=0, vmax=1)
+        row[0].set_title(f"writes {layer['text']!r}", fontsize=7)
+        for k, ax in enumerate(row[1:]):
+            if k < len(layer["grid"]):
+                ax.imshow(layer["grid"][k], cmap="viridis", vmin=0.0)
+                ax.set_title(f"{layer['module']}\nwriting {layer['text'][k]!r}", fontsize=7)
+            ax.set_xticks([])
+            ax.set_yticks([])
+        row[0].set_xticks([])
+        row[0].set_yticks([])
+    axes = axes[: len(layers)]
     for i, (row, layer) in enumerate(zip(axes, layers)):
         row[0].imshow(result.data["image"], cmap="gray", vmin=0, vmax=1)
         row[0].set_title("image" + (f" ({result.data['label']})" if result.data["label"] is not None else ""),
                          fontsize=7)
-        for h, ax in enumerate(row[1:]):
+        for h, ax in enumerate(row[1 : n_heads + 1]):
             grid = layer["grid"][h]
             ax.imshow(grid, cmap="viridis", vmin=0.0)
             ax.set_title(f"{layer['module']} h{h}\non ink {layer['on_ink'][h]:.0%}", fontsize=7)

@@ -269,7 +269,7 @@ def patch_run(checkpoint: str, image: int = 0, png: str = "") -> ProbeResult:
             predicted = ckpt.config.head.labels[int(model(batch, attention_mask=mask).argmax())]
     cross_rows, cross = [], []
     if cfg.arch == "encoder-decoder":
-        predicted, cross_rows, cross = _cross_reads(ckpt, batch, mask, x.shape[-1] // cfg.patch_size)
+        predicted, cross_rows, cross = _cross_reads(ckpt, batch, mask, x.shape[-1] // cfg.patch_size, truth)
     records = [r for r in capture(model, call) if not r["cross"]]
     rows_, cols_ = x.shape[-2] // cfg.patch_size, x.shape[-1] // cfg.patch_size
     n = rows_ * cols_
@@ -297,7 +297,8 @@ def patch_run(checkpoint: str, image: int = 0, png: str = "") -> ProbeResult:
         data={"source": f"checkpoint {checkpoint}", "image": x[0].tolist(), "label": truth, "predicted": predicted,
               "patch_size": cfg.patch_size, "cls_token": cfg.cls_token, "layers": layers, "ink_share": ink_share,
               "cross": cross},
-        more_tables=[("cross-attention: what the decoder reads as it writes each character (mean over heads)",
+        more_tables=[("cross-attention: what the decoder reads as it writes each character of the "
+                       + ("true string" if truth is not None else "greedy output") + " (mean over heads)",
                       ["module", "position", "writes", "on its digit's patches", "uniform"], cross_rows)]
         if cross_rows else [],
         notes=[
@@ -312,16 +313,19 @@ def patch_run(checkpoint: str, image: int = 0, png: str = "") -> ProbeResult:
     )
 
 
-def _cross_reads(ckpt: Any, batch: torch.Tensor, mask: torch.Tensor, cols: int) -> tuple[str, list, list]:
+def _cross_reads(ckpt: Any, batch: torch.Tensor, mask: torch.Tensor, cols: int,
+                 truth: str | None) -> tuple[str, list, list]:
     """An image-to-text model's greedy text for ``batch`` (one image), and per decoder layer
-    the cross-attention (mean over heads) of each written character over the patch grid,
-    with the share on the patches of its own digit (digits are 8 pixels wide)."""
+    the cross-attention (mean over heads) of each character over the patch grid as the
+    decoder writes it (the true string, teacher-forced, when it is known; else the greedy
+    text), with the share on the patches of its own digit (digits are 8 pixels wide)."""
     from ..data.images import DIGIT_SIZE  # noqa: PLC0415
     from ..tokenizers import BOS_ID  # noqa: PLC0415
     from ..train.arrays import decode_images  # noqa: PLC0415
 
     cfg, model = ckpt.config.model, ckpt.model
-    text = decode_images(model, ckpt.tokenizer, [batch[0]], cfg.patch_size)[0]
+    predicted = decode_images(model, ckpt.tokenizer, [batch[0]], cfg.patch_size)[0]
+    text = truth if truth is not None else predicted
     tgt = torch.tensor([[BOS_ID] + ckpt.tokenizer.encode(text)])
     records = [r for r in capture(model, lambda: model(batch, tgt, src_mask=mask)) if r["cross"]]
     slot = DIGIT_SIZE // cfg.patch_size  # patch columns per digit
@@ -333,7 +337,7 @@ def _cross_reads(ckpt: Any, batch: torch.Tensor, mask: torch.Tensor, cols: int) 
         for k, ch in enumerate(text):
             own = float(grid[k, :, k * slot : (k + 1) * slot].sum()) if (k + 1) * slot <= cols else float("nan")
             rows.append([r["module"], k, ch, own, slot / cols])
-    return text, rows, layers
+    return predicted, rows, layers
 
 
 def plot_patches(result: ProbeResult, fig: Any) -> None:

@@ -104,10 +104,12 @@ def report(result, cfg: RunConfig) -> None:
         print("validation: " + "  ".join(f"{k} {v:.4f}" for k, v in result.val.items()))
     if cfg.data.kind == "dataset":  # images or signals
         q = shlex.quote(str(ckpt_dir))
-        print(f"\ncheckpoint: {ckpt_dir}\nmetrics:    {run_dir / 'metrics.jsonl'}\n\nnext:")
+        print(f"\ncheckpoint: {ckpt_dir}\nmetrics:    {run_dir / 'metrics.jsonl'}")
+        if cfg.model.input == "patches":
+            print("images:     predict also reads PNG files: --input FILE.png ... or a directory of them")
+        print("\nnext:")
         print(f"  blockformer predict --checkpoint {q} --split test")
         if cfg.model.input == "patches":
-            print(f"  blockformer predict --checkpoint {q} --input IMAGE.png ...")
             print(f"  blockformer probe attention --checkpoint {q} --image 0 --plot attention.png")
         print(f"  blockformer eval --checkpoint {q} --json")
         return

@@ -126,8 +126,8 @@ def test_permuting_patches_permutes_outputs_only_without_2d_positions(patch_posi
     images = torch.rand(2, 1, 8, 8)
     perm = torch.randperm(16, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        out = model.features(images)
-        out_perm = model.features(_permute_patches(images, perm, 2))
+        out = model.hidden_states(images)
+        out_perm = model.hidden_states(_permute_patches(images, perm, 2))
     diff = (out_perm - out[:, perm]).abs().max().item()
     if patch_position == "none":  # position (rope / sinusoidal) is the 1-D scheme: unused by the patch stack
         assert diff < 1e-5
@@ -145,8 +145,8 @@ def test_padded_frames_never_change_the_real_frames(position, cls_token):
     padded = torch.cat([real, 100 * torch.randn(1, 9, 5)], dim=1)  # garbage in the padding
     mask = torch.tensor([[True] * 6 + [False] * 9])
     with torch.no_grad():
-        a = model.features(real)
-        b = model.features(padded, attention_mask=mask)
+        a = model.hidden_states(real)
+        b = model.hidden_states(padded, attention_mask=mask)
         pa, pb = task(real), task(padded, attention_mask=mask)
     n = 6 + cls_token
     torch.testing.assert_close(b[:, :n], a, atol=1e-5, rtol=1e-5)
@@ -159,8 +159,8 @@ def test_padding_a_narrow_image_never_changes_its_real_patches():
     batch, mask = pad_images([narrow, torch.rand(1, 8, 16)], 2)
     assert batch.shape == (2, 1, 8, 16) and mask.shape == (2, 32) and int(mask[0].sum()) == 12
     with torch.no_grad():
-        alone = model.features(narrow[None])  # (1, 1 + 12, d)
-        together = model.features(batch, attention_mask=mask)
+        alone = model.hidden_states(narrow[None])  # (1, 1 + 12, d)
+        together = model.hidden_states(batch, attention_mask=mask)
     real = model.hidden_mask(mask)[0]
     torch.testing.assert_close(together[0, real], alone[0], atol=1e-5, rtol=1e-5)
 

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install demo finetune-demo test test-fast bench clean
+.PHONY: install demo finetune-demo digits test test-fast bench clean
 
 # torch is pinned and installed first: the CPU wheel on this machine's disk. Letting pip
 # resolve a bare `torch` would download a multi-GB CUDA build.
@@ -26,6 +26,11 @@ finetune-demo: install
 	$(PY) -m blockformer.data.stdlib_packages --out data/stdlib-packages
 	$(PY) -m blockformer train --preset stdlib-mlm
 	$(PY) -m blockformer train --preset stdlib-packages --init-from runs/stdlib-mlm/best
+# Other inputs: a small ViT on scikit-learn's 8x8 digits, then its test accuracy (README "Other inputs").
+digits: install
+	$(PY) -m pip install -q -e '.[data]'
+	$(PY) -m blockformer train --preset digits-vit
+	$(PY) -m blockformer predict --checkpoint runs/digits-vit --split test --output runs/digits-vit/test.jsonl
 
 test: install
 	$(PY) -m pytest -q
@@ -44,6 +49,7 @@ bench: install
 	$(PY) benchmarks/bench_decode.py --threads 2 --dtype bf16 --skip nocache --repeats 3 --out benchmarks/results/decode-bf16.md
 	$(PY) benchmarks/bench_finetune.py --threads 2
 	$(PY) benchmarks/bench_lora_lm.py --threads 2
+	$(PY) benchmarks/bench_inputs.py --threads 2
 
 # The speed table of issue 12, one script at a time on a quiet machine (a GPU where there is one).
 bench-speed: install

@@ -27,6 +27,9 @@ EXTRA = {
                  "model.n_kv_heads=1", "train.batch_size=4", "train.sample_tokens=20"],
     "llama-7b": ["data.text={corpus}", "data.vocab_size=300", "data.seq_len=32", "model.max_seq_len=256",
                  "model.n_kv_heads=2", "train.batch_size=4", "train.sample_tokens=20"],
+    "digits-vit": ["train.batch_size=8"],
+    "digits-to-text": ["data.heldout=10", "train.eval_samples=10", "train.batch_size=8"],
+    "vowels-frames": ["train.batch_size=8"],  # sktime, in the [test] extra
 }
 
 

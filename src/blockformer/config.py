@@ -36,6 +36,8 @@ RopeScaling = Literal["none", "linear", "ntk"]
 GATED_FFNS = ("swiglu", "geglu")
 ADDITIVE_POSITIONS = ("sinusoidal", "learned")  # added to the token embeddings
 BIAS_POSITIONS = ("alibi", "relative")  # added to the attention scores
+Input = Literal["tokens", "patches", "frames"]
+PatchPosition = Literal["learned", "sinusoidal", "none"]
 
 
 @dataclass
@@ -103,6 +105,16 @@ class TransformerConfig:
     rope_scaling: RopeScaling = "none"  # extend a trained rope model: "linear" interpolation or "ntk"-aware
     rope_scaling_factor: float = 1.0  # the context's growth factor s the scaling targets
     attention_window: int = 0  # > 0: each query sees the last `attention_window` positions; KV cache bounded
+
+    # --- other inputs (models/inputs.py): what the encoder reads instead of token ids
+    input: Input = "tokens"  # patches: images (B, C, H, W); frames: real vectors (B, T, frame_dim)
+    image_height: int = 8  # patches: the largest image; narrower images are padded (and masked)
+    image_width: int = 8
+    image_channels: int = 1
+    patch_size: int = 2  # P x P pixels per patch
+    patch_position: PatchPosition = "learned"  # 2-D (row, column) signal; the patch stack gets no 1-D one
+    frame_dim: int = 1  # frames: features per frame; their positions follow `position`
+    cls_token: bool = False  # a learned vector before the patches/frames, for `cls` pooling
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -193,6 +205,7 @@ class TransformerConfig:
         _require(self, "rope_scaling_factor", self.rope_scaling_factor >= 1.0, "a float >= 1")
         if self.rope_scaling != "none":
             _require(self, "rope_scaling", self.position == "rope", "'none' unless position='rope'")
+        self._validate_input()
         if self.arch != "encoder-decoder":
             for name in ("n_encoder_layers", "n_decoder_layers", "src_vocab_size"):
                 _require(self, name, getattr(self, name) is None, "None unless arch='encoder-decoder'")
@@ -207,6 +220,30 @@ class TransformerConfig:
         if self.ffn_experts:
             _require(self, "experts_top_k", 1 <= self.experts_top_k <= self.ffn_experts,
                      f"an integer in [1, ffn_experts={self.ffn_experts}]")
+
+    def _validate_input(self) -> None:
+        for name in ("image_height", "image_width", "image_channels", "patch_size", "frame_dim"):
+            _require(self, name, getattr(self, name) >= 1, "an integer >= 1")
+        if self.input == "tokens":
+            _require(self, "cls_token", not self.cls_token, "False with input='tokens' (the text has <s>)")
+            return
+        _require(self, "arch", self.arch != "decoder",
+                 f"'encoder' or 'encoder-decoder' with input={self.input!r} (the encoder reads it)")
+        if self.input == "patches":
+            for name in ("image_height", "image_width"):
+                _require(self, name, getattr(self, name) % self.patch_size == 0,
+                         f"a multiple of patch_size={self.patch_size}")
+            if self.patch_position != "none":
+                _require(self, "d_model", self.d_model % 4 == 0,
+                         "a multiple of 4 with 2-D patch positions (half the width each for row and column)")
+            grid = (self.image_height // self.patch_size) * (self.image_width // self.patch_size)
+            _require(self, "max_seq_len", self.max_seq_len >= grid + self.cls_token,
+                     f">= the {grid} patches{' + the class token' if self.cls_token else ''}")
+
+    @property
+    def n_patches(self) -> int:
+        """Patches of the largest image (patches only)."""
+        return (self.image_height // self.patch_size) * (self.image_width // self.patch_size)
 
     # ------------------------------------------------------------------ derived values
     @property

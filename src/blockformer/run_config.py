@@ -61,9 +61,16 @@ class DataConfig:
     # --- labelled data for a task head (see [head])
     labels: str = ""  # text<TAB>label lines, or JSONL with "text" and "label"
     val_labels: str = ""  # its held-out file; by default val_fraction of `labels` is held out
+    # --- arrays for other inputs (model.input patches/frames): data sets a Python package ships
+    dataset: str = ""  # digits | digit-strings (scikit-learn) | japanese-vowels (sktime); see train/arrays.py
+    shift: int = 0  # images: training images moved by up to this many pixels each way
+    max_digits: int = 4  # digit-strings: 1..max_digits digits side by side per image
 
     def __post_init__(self) -> None:
         _check_types(self)
+        if self.shift < 0:
+            raise UsageError(f"data.shift={self.shift!r}: expected an integer >= 0 (0 = no shifts)")
+        _positive(self, "max_digits")
         _positive(self, "task_min_len", "task_max_len", "task_digits", "heldout", "vocab_size", "seq_len")
         if not 0.0 <= self.val_fraction < 1.0:
             raise UsageError(f"data.val_fraction={self.val_fraction!r}: expected a float in [0, 1)")
@@ -73,9 +80,11 @@ class DataConfig:
             raise UsageError("data.src/data.tgt: expected both files of the aligned pair, or neither")
 
     @property
-    def kind(self) -> Literal["task", "pairs", "labelled", "text"]:
-        """Which objective the data asks for: synthetic task, aligned pairs, labelled
-        examples (a task head) or plain text."""
+    def kind(self) -> Literal["dataset", "task", "pairs", "labelled", "text"]:
+        """Which objective the data asks for: a shipped data set of images or signals,
+        synthetic task, aligned pairs, labelled examples (a task head) or plain text."""
+        if self.dataset:
+            return "dataset"
         if self.task:
             return "task"
         if self.src:

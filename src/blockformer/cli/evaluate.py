@@ -80,11 +80,16 @@ def run(args: argparse.Namespace) -> int:
             metrics = lm_metrics(ckpt, args.data, train_cfg, device)
         elif cfg.data.kind == "labelled":
             metrics = head_metrics(ckpt, train_cfg, device, args.data)
+        elif cfg.data.kind == "dataset":  # images or signals: a data set a package ships
+            if args.data:
+                raise UsageError(f"--data: this checkpoint reads its data set, data.dataset={cfg.data.dataset!r}, "
+                                 "from the package that ships it; expected no --data")
+            metrics = dataset_metrics(ckpt, train_cfg, device)
         else:
             metrics = seq2seq_metrics(ckpt, train_cfg, device, args.data)
     from ..train.metrics import perplexity  # noqa: PLC0415
 
-    if cfg.data.kind != "labelled":
+    if cfg.head.task == "none":  # a head's loss is no perplexity
         metrics["val_ppl"] = perplexity(metrics["val_loss"])
     if args.json:
         print(json.dumps(metrics))
@@ -143,6 +148,18 @@ def head_metrics(ckpt: Any, train_cfg: Any, device: Any, spec: str | None) -> di
     data = LabelledData(read_labelled(spec), ckpt.tokenizer, cfg.head.task, cfg.head.labels, max_len, spec)
     objective = TaskHead(data, data, train_cfg.batch_size, 0, device)
     return objective.evaluate_full(ckpt.model, train_cfg.batch_size)
+
+
+def dataset_metrics(ckpt: Any, train_cfg: Any, device: Any) -> dict[str, Any]:
+    """On the validation split of ``data.dataset``: a head's loss, accuracy, macro F1 and
+    confusion matrix, or an image-to-text model's loss and exact match (``predict --split
+    test`` reads the test split)."""
+    from ..train.setup import build_objective  # noqa: PLC0415
+
+    objective = build_objective(ckpt.config, ckpt.tokenizer, device, log=lambda *a: None)
+    if ckpt.config.head.task != "none":
+        return objective.evaluate_full(ckpt.model, train_cfg.batch_size)
+    return objective.evaluate(ckpt.model, train_cfg)
 
 
 def seq2seq_metrics(ckpt: Any, train_cfg: Any, device: Any, spec: str | None = None) -> dict[str, Any]:

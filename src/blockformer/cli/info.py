@@ -99,7 +99,12 @@ def run(args: argparse.Namespace) -> int:
     layers = f"{m.n_encoder_layers}+{m.n_decoder_layers}" if m.arch == "encoder-decoder" else m.n_layers
     ffn = f"{m.ffn_experts} experts of d_ff {m.expert_d_ff}, top-{m.experts_top_k}" if m.ffn_experts else f"d_ff {m.d_ff}"
     print(f"arch         {m.arch}: {layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
-          f"{ffn}, vocab {m.vocab_size}")
+          f"{ffn}" + (f", vocab {m.vocab_size}" if m.input == "tokens" or m.arch != "encoder" else ""))
+    from ..models.inputs import describe_parts  # noqa: PLC0415
+    from ..train.finetune import pooling_for  # noqa: PLC0415
+
+    for part, text in describe_parts(m, cfg.head.task, pooling_for(cfg)).items():
+        print(f"{part:<12} {text}")
     print(f"parameters   {info['parameters']:,} "
           f"({info['parameters_without_embeddings']:,} without embeddings)")
     if m.ffn_experts:

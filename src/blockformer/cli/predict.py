@@ -6,6 +6,10 @@ one JSON object per input, in order: ``{"text", "label", "probs": {label: p}}`` 
 classification; ``"labels"`` (those above 0.5) for multilabel; ``"value"`` for regression;
 for token classification, ``"words"`` with one label and probability each. ``--format tsv``
 writes ``label<TAB>probability`` (``value`` for regression) instead.
+
+A model that reads images or signals (``model.input`` patches or frames) takes PNG files or
+directories of them (``--input``), or a split of its data set (``--split test``); see
+``predict_arrays.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ from ..errors import UsageError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="a task-head checkpoint or run directory")
-    parser.add_argument("--input", required=True, metavar="FILE", help="texts: lines, .tsv or .jsonl")
+    parser.add_argument("--input", nargs="+", metavar="FILE",
+                        help="texts: lines, .tsv or .jsonl; images: PNG files or directories of them")
+    parser.add_argument("--split", choices=["train", "val", "test"],
+                        help="images/signals: predict this split of the run's data set, with its accuracy")
+    parser.add_argument("--beam", type=int, default=1, metavar="K", help="image-to-text: beam size (1 = greedy)")
     parser.add_argument("--output", metavar="FILE", help="where to write (default: stdout)")
     parser.add_argument("--format", default="jsonl", choices=["jsonl", "tsv"])
     parser.add_argument("--batch-size", type=int, default=64, metavar="B")
@@ -36,10 +44,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--batch-size {args.batch_size}: expected an integer >= 1")
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device)
+    if ckpt.config.model.input != "tokens":
+        from .predict_arrays import run_arrays  # noqa: PLC0415
+
+        return run_arrays(args, ckpt, device)
+    if not args.input or len(args.input) != 1 or args.split:
+        raise UsageError("--input: expected one text file (--split is for models reading images or signals)")
     if ckpt.config.head.task == "none":
         raise UsageError(f"--checkpoint {args.checkpoint}: has no task head; expected a checkpoint trained on "
                          "data.labels with [head] task set")
-    texts = read_texts(args.input)
+    texts = read_texts(args.input[0])
     records = predict(ckpt, texts, args.batch_size, device)
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     try:

@@ -51,6 +51,8 @@ HELP = {
     "text_kb": "kilobytes of stdlib text read (the first 90 percent trains, the rest is held out)",
     "eval_windows": "held-out windows averaged",
     "extensions": "also evaluate the trained rope model with linear / NTK scaling and a window of T",
+    "image": "a checkpoint reading patches: the index of the held-out test image to show",
+    "png": "a checkpoint reading patches: a PNG image to show instead of --image",
 }
 
 

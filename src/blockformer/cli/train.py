@@ -102,6 +102,17 @@ def report(result, cfg: RunConfig) -> None:
     print()
     if result.val:
         print("validation: " + "  ".join(f"{k} {v:.4f}" for k, v in result.val.items()))
+    if cfg.data.kind == "dataset":  # images or signals
+        q = shlex.quote(str(ckpt_dir))
+        print(f"\ncheckpoint: {ckpt_dir}\nmetrics:    {run_dir / 'metrics.jsonl'}")
+        if cfg.model.input == "patches":
+            print("images:     predict also reads PNG files: --input FILE.png ... or a directory of them")
+        print("\nnext:")
+        print(f"  blockformer predict --checkpoint {q} --split test")
+        if cfg.model.input == "patches":
+            print(f"  blockformer probe attention --checkpoint {q} --image 0 --plot attention.png")
+        print(f"  blockformer eval --checkpoint {q} --json")
+        return
     ckpt = load_checkpoint(ckpt_dir)
     if cfg.head.task != "none" or cfg.model.arch == "encoder":
         q = shlex.quote(str(ckpt_dir))

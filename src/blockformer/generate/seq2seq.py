@@ -39,8 +39,16 @@ def target_limits(model: nn.Module, src_mask: torch.Tensor, max_len: int | None)
 def source_batch(
     model: nn.Module, src: torch.Tensor | Sequence[Sequence[int]], src_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``(src, src_mask)`` on the model's device, from a tensor or id lists."""
+    """Right-padded ``(src, src_mask)`` on the model's device, from a tensor or id lists.
+    A model whose encoder reads patches or frames takes a float tensor (images or frames)
+    and a mask of its real patches or frames (default: all real)."""
     device = model_device(model)
+    adapter = getattr(model, "src_embed", None)
+    if hasattr(adapter, "default_mask"):  # models/inputs.py
+        if not isinstance(src, torch.Tensor) or not src.is_floating_point():
+            raise UsageError(f"src: expected a float tensor of {model.cfg.input} for this model's encoder")
+        src = src.to(device)
+        return src, (adapter.default_mask(src) if src_mask is None else src_mask.to(device=device, dtype=torch.bool))
     if not isinstance(src, torch.Tensor):
         return pad_batch(src, left=False, name="sources", device=device)
     if src.dim() != 2 or src.shape[1] == 0:
@@ -51,6 +59,13 @@ def source_batch(
     if src_mask.shape != src.shape:
         raise UsageError(f"src_mask: shape {tuple(src_mask.shape)}; expected {tuple(src.shape)} like src")
     return src, src_mask.to(device=device, dtype=torch.bool)
+
+
+def memory_mask(model: nn.Module, src_mask: torch.Tensor) -> torch.Tensor:
+    """The mask of the encoder's output: ``src_mask``, or for an encoder reading patches or
+    frames with a class token, that token's position in front (``models/inputs.py``)."""
+    hidden_mask = getattr(model, "hidden_mask", None)
+    return src_mask if hidden_mask is None else hidden_mask(src_mask)
 
 
 def greedy_decode(
@@ -76,6 +91,7 @@ def greedy_decode(
         done = torch.zeros(B, dtype=torch.bool, device=device)
         tok = torch.full((B, 1), bos_id, dtype=torch.long, device=device)
         memory = model.encode(src, src_mask)
+        src_mask = memory_mask(model, src_mask)
         if use_cache:
             cache, step = prepare_step(model, seq2seq_step, B, T, compile=compile, compile_mode=compile_mode)
             cache_pos = torch.zeros(1, dtype=torch.long, device=device)

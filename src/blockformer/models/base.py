@@ -76,6 +76,12 @@ class TransformerModel(nn.Module):
             elif isinstance(module, RelativeBias):
                 nn.init.normal_(module.table.weight, 0.0, cfg.d_model**-0.5)  # T5's scale
 
+    def hidden_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The mask of the encoder's output for an input mask: the same, or with a class token
+        an input adapter puts in front (models/inputs.py)."""
+        adapter = getattr(self, "src_embed", None) or getattr(self, "embed", None)
+        return adapter.hidden_mask(attention_mask) if hasattr(adapter, "hidden_mask") else attention_mask
+
     def new_cache(
         self,
         batch_size: int,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ..config import TransformerConfig
 from ..nn.stack import Stack
@@ -10,15 +11,19 @@ from .base import TransformerModel, default_positions
 from .checks import check_ids, check_mask, check_positions
 from .embedding import Embedding
 from .head_layers import Pooler
+from .inputs import build_input, stack_config
 
 
 class EncoderModel(TransformerModel):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = Embedding(cfg, cfg.vocab_size)
-        self.encoder = Stack(cfg, cfg.n_layers, causal=False)
-        self.head = self._make_head(self.embed.tokens)
+        if cfg.input == "tokens":
+            self.embed = Embedding(cfg, cfg.vocab_size)
+            self.head = self._make_head(self.embed.tokens)
+        else:  # patches or frames: no vocabulary, so no token head (a task head reads the hidden states)
+            self.embed, self.head, self.head_transform = build_input(cfg), nn.Identity(), None
+        self.encoder = Stack(stack_config(cfg), cfg.n_layers, causal=False)
         self.pooler = Pooler(cfg) if cfg.pooler else None
         self._init_weights()
 
@@ -30,7 +35,8 @@ class EncoderModel(TransformerModel):
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab). ``attention_mask`` (B, T): True for real
-        tokens; padded keys are hidden from every query."""
+        tokens; padded keys are hidden from every query. With ``input`` patches or frames there
+        is no vocabulary: the hidden states, for a task head to read."""
         return self._logits(self.hidden_states(tokens, attention_mask=attention_mask, positions=positions))
 
     def hidden_states(
@@ -41,7 +47,11 @@ class EncoderModel(TransformerModel):
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens (B, T) -> the last block's output (B, T, d_model): features for pooling and
-        for a task head."""
+        for a task head. With ``input`` patches or frames, ``tokens`` are the images or frames
+        and ``attention_mask`` marks real patches or frames (the adapter checks both)."""
+        if self.cfg.input != "tokens":
+            x, positions, mask = self.embed(tokens, attention_mask)
+            return self.encoder(x, positions, mask)
         check_ids(tokens, self.cfg.vocab_size)
         check_mask(attention_mask, tokens, "attention_mask")
         check_positions(self.cfg, tokens, positions)

@@ -14,6 +14,7 @@ from ..nn.stack import Stack
 from .base import TransformerModel, default_positions
 from .checks import check_ids, check_mask, check_positions
 from .embedding import Embedding
+from .inputs import build_input, stack_config
 
 
 class EncoderDecoderModel(TransformerModel):
@@ -21,18 +22,25 @@ class EncoderDecoderModel(TransformerModel):
         super().__init__()
         self.cfg = cfg
         self.tgt_embed = Embedding(cfg, cfg.vocab_size)
-        if cfg.src_vocab_size is None and cfg.tie_embeddings:
+        if cfg.input != "tokens":  # the encoder reads patches or frames (models/inputs.py)
+            self.src_embed = build_input(cfg)
+        elif cfg.src_vocab_size is None and cfg.tie_embeddings:
             self.src_embed = Embedding(cfg, cfg.vocab_size)
             self.src_embed.tokens = self.tgt_embed.tokens  # one shared vocabulary
         else:
             self.src_embed = Embedding(cfg, cfg.src_vocab_size or cfg.vocab_size)
-        self.encoder = Stack(cfg, cfg.n_encoder_layers, causal=False)
+        self.encoder = Stack(stack_config(cfg), cfg.n_encoder_layers, causal=False)
         self.decoder = Stack(cfg, cfg.n_decoder_layers, causal=True, cross=True)
         self.head = self._make_head(self.tgt_embed.tokens)
         self._init_weights()
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """src (B, S) -> memory (B, S, d_model). ``src_mask`` (B, S): True for real tokens."""
+        """src (B, S) -> memory (B, S, d_model). ``src_mask`` (B, S): True for real tokens.
+        With ``input`` patches or frames, ``src`` holds images or frames (the adapter checks
+        them) and the memory's mask is ``hidden_mask(src_mask)``."""
+        if self.cfg.input != "tokens":
+            x, positions, mask = self.src_embed(src, src_mask)
+            return self.encoder(x, positions, mask)
         check_ids(src, self.cfg.src_vocab_size or self.cfg.vocab_size, "src")
         check_mask(src_mask, src, "src_mask")
         check_positions(self.cfg, src, None, "src")
@@ -79,4 +87,4 @@ class EncoderDecoderModel(TransformerModel):
         tgt_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(src (B, S), target shifted right (B, T)) -> logits (B, T, vocab)."""
-        return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask=tgt_mask)
+        return self.decode(tgt, self.encode(src, src_mask), self.hidden_mask(src_mask), tgt_mask=tgt_mask)

@@ -81,7 +81,8 @@ class TaskModel(nn.Module):
     def forward(self, tokens: torch.Tensor, *, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> the head's output: (B, n) per sequence, or (B, T, n) per token."""
         hidden = self.body.hidden_states(tokens, attention_mask=attention_mask)
-        return self.head(hidden, attention_mask)
+        hidden_mask = getattr(self.body, "hidden_mask", None)  # an input adapter's class token shifts the mask
+        return self.head(hidden, attention_mask if hidden_mask is None else hidden_mask(attention_mask))
 
 
 def build_head(task: str, d_model: int, n_outputs: int, pooling: str, dropout: float) -> nn.Module:

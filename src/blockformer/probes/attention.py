@@ -11,6 +11,12 @@ unchanged.
 Entropy (bits) per head: the mean over query positions of ``-sum_j w_j log2 w_j``; the
 "uniform" figure is the same for weights spread evenly over the visible keys. A random
 model attends almost uniformly; trained heads focus (low entropy) on a few positions.
+
+For a checkpoint that reads image patches (``model.input = "patches"``), the probe shows
+what the class token reads: its attention row over the patches of one image (``--image N``
+of the held-out split, or ``--png FILE``), drawn as a map over the patch grid per layer and
+head, and the share of that attention that falls on patches with ink, against the share of
+such patches (uniform reading).
 """
 
 from __future__ import annotations
@@ -142,10 +148,17 @@ def run(
     d_model: int = 64,
     position: str = "rope",
     seed: int = 0,
+    image: int = 0,
+    png: str = "",
 ) -> ProbeResult:
     """Attention weights of every layer and head for ``text`` (for an encoder-decoder, the
     source; ``target`` is the decoder's input after bos). Without ``checkpoint``, a random
     model from ``preset`` or the given sizes."""
+    if checkpoint:
+        from ..train.checkpoint import read_config  # noqa: PLC0415
+
+        if read_config(checkpoint).model.input == "patches":
+            return patch_run(checkpoint, image, png)
     if not text:
         raise UsageError("--text: expected a non-empty text")
     cfg = TransformerConfig(arch=arch, d_model=d_model, n_layers=n_layers, n_heads=n_heads, position=position,
@@ -214,3 +227,146 @@ def plot(result: ProbeResult, fig: Any) -> None:
                     setter(range(len(labels)), labels, fontsize=6, rotation=90 if axis is ax.xaxis else 0)
                 else:
                     setter([])
+
+
+# ---------------------------------------------------------------------- image patches
+INK = 0.25  # a patch "has ink" when its mean pixel (in [0, 1]) is above this
+
+
+def class_token_reads(weights: torch.Tensor, has_cls: bool, n_patches: int) -> torch.Tensor:
+    """(H, T, T) self-attention weights -> (H, n_patches): the class token's row over the
+    patches, or without a class token the mean attention each patch receives."""
+    if has_cls:
+        return weights[:, 0, 1 : 1 + n_patches]
+    return weights[:, :, :n_patches].mean(dim=1)
+
+
+def patch_run(checkpoint: str, image: int = 0, png: str = "") -> ProbeResult:
+    """What the class token of a patch-reading checkpoint attends to, for one image."""
+    from ..data.images import load_digits_split, pad_images, read_png  # noqa: PLC0415
+    from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
+
+    ckpt = load_checkpoint(checkpoint)
+    cfg, model = ckpt.config.model, ckpt.model
+    if png:
+        x, truth, source = read_png(png, cfg.image_height, cfg.image_width), None, png
+    elif cfg.arch == "encoder-decoder":  # the held-out digit strings it was trained to read
+        from ..train.arrays import DigitStrings  # noqa: PLC0415
+
+        images, texts = DigitStrings("test", ckpt.config, ckpt.tokenizer, 1, train=False).heldout(image + 1)
+        x, truth, source = images[image], texts[image], f"test string {image}"
+    else:
+        images, labels = load_digits_split("test")
+        if not 0 <= image < len(labels):
+            raise UsageError(f"--image {image}: expected an index into the {len(labels)} held-out test images")
+        x, truth, source = images[image], str(int(labels[image])), f"test image {image}"
+    batch, mask = pad_images([x], cfg.patch_size)
+    call = (lambda: model.encode(batch, mask)) if cfg.arch == "encoder-decoder" else \
+        (lambda: model(batch, attention_mask=mask))
+    predicted = None
+    if ckpt.config.head.task == "classify":
+        with torch.no_grad():
+            predicted = ckpt.config.head.labels[int(model(batch, attention_mask=mask).argmax())]
+    cross_rows, cross = [], []
+    if cfg.arch == "encoder-decoder":
+        predicted, cross_rows, cross = _cross_reads(ckpt, batch, mask, x.shape[-1] // cfg.patch_size, truth)
+    records = [r for r in capture(model, call) if not r["cross"]]
+    rows_, cols_ = x.shape[-2] // cfg.patch_size, x.shape[-1] // cfg.patch_size
+    n = rows_ * cols_
+    from ..models.inputs import patchify  # noqa: PLC0415
+
+    ink = patchify(x[None], cfg.patch_size)[0].mean(-1) > INK  # (N,)
+    ink_share = float(ink.float().mean())
+    rows, layers = [], []
+    for r in records:
+        reads = class_token_reads(r["weights"], cfg.cls_token, n)  # (H, N)
+        ent, uniform = entropy_bits(r["weights"][:, :1] if cfg.cls_token else r["weights"])
+        on_ink = (reads[:, ink].sum(-1) / reads.sum(-1).clamp(min=1e-12)).tolist()
+        layers.append({"module": r["module"], "grid": reads.reshape(-1, rows_, cols_).tolist(),
+                       "entropy_bits": ent, "uniform_bits": uniform, "on_ink": on_ink,
+                       "reproduction_error": r["error"]})
+        for h, (e, u, o) in enumerate(zip(ent, uniform, on_ink)):
+            rows.append([r["module"], h, e, u, o, ink_share, r["error"]])
+    reader = "the class token" if cfg.cls_token else "the patches (no class token: the mean over queries)"
+    return ProbeResult(
+        name="attention",
+        claim=f"which patches {reader} reads, per layer and head",
+        columns=["module", "head", "entropy bits", "uniform bits", "attention on ink", "ink patches",
+                 "reproduction error"],
+        rows=rows,
+        data={"source": f"checkpoint {checkpoint}", "image": x[0].tolist(), "label": truth, "predicted": predicted,
+              "patch_size": cfg.patch_size, "cls_token": cfg.cls_token, "layers": layers, "ink_share": ink_share,
+              "cross": cross},
+        more_tables=[("cross-attention: what the decoder reads as it writes each character of the "
+                       + ("true string" if truth is not None else "greedy output") + " (mean over heads)",
+                      ["module", "position", "writes", "on its digit's patches", "uniform"], cross_rows)]
+        if cross_rows else [],
+        notes=[
+            f"checkpoint {checkpoint}; {source}" + (f" (label {truth})" if truth is not None else "")
+            + (f", predicted {predicted}" if predicted is not None else "") + f"; {n} patches.",
+            f"attention on ink: the share of the attention of {reader} on patches whose mean pixel is above "
+            f"{INK}; ink patches: their share of all patches (what uniform attention would give).",
+            "entropy (bits): of the class token's row, or of every query's row without one; uniform: "
+            "the same for even weights over all positions.",
+        ],
+        plotter=plot_patches,
+    )
+
+
+def _cross_reads(ckpt: Any, batch: torch.Tensor, mask: torch.Tensor, cols: int,
+                 truth: str | None) -> tuple[str, list, list]:
+    """An image-to-text model's greedy text for ``batch`` (one image), and per decoder layer
+    the cross-attention (mean over heads) of each character over the patch grid as the
+    decoder writes it (the true string, teacher-forced, when it is known; else the greedy
+    text), with the share on the patches of its own digit (digits are 8 pixels wide)."""
+    from ..data.images import DIGIT_SIZE  # noqa: PLC0415
+    from ..tokenizers import BOS_ID  # noqa: PLC0415
+    from ..train.arrays import decode_images  # noqa: PLC0415
+
+    cfg, model = ckpt.config.model, ckpt.model
+    predicted = decode_images(model, ckpt.tokenizer, [batch[0]], cfg.patch_size)[0]
+    text = truth if truth is not None else predicted
+    tgt = torch.tensor([[BOS_ID] + ckpt.tokenizer.encode(text)])
+    records = [r for r in capture(model, lambda: model(batch, tgt, src_mask=mask)) if r["cross"]]
+    slot = DIGIT_SIZE // cfg.patch_size  # patch columns per digit
+    rows, layers = [], []
+    for r in records:
+        w = r["weights"].mean(0)  # (T, N): queries are bos + the text; query k writes character k
+        grid = w.reshape(w.shape[0], -1, cols)
+        layers.append({"module": r["module"], "text": text, "grid": grid[: len(text)].tolist()})
+        for k, ch in enumerate(text):
+            own = float(grid[k, :, k * slot : (k + 1) * slot].sum()) if (k + 1) * slot <= cols else float("nan")
+            rows.append([r["module"], k, ch, own, slot / cols])
+    return predicted, rows, layers
+
+
+def plot_patches(result: ProbeResult, fig: Any) -> None:
+    """The image, then one map over the patch grid per layer (rows) and head (columns)."""
+    layers, cross = result.data["layers"], result.data.get("cross") or []
+    n_heads = len(layers[0]["grid"])
+    width = max([n_heads] + [len(c["grid"]) for c in cross])
+    fig.set_size_inches(2.2 * (width + 1) + 1, 2.2 * (len(layers) + len(cross)) + 0.6)
+    axes = fig.subplots(len(layers) + len(cross), width + 1, squeeze=False)
+    for row, layer in zip(axes[len(layers) :], cross):  # what each written character reads
+        row[0].imshow(result.data["image"], cmap="gray", vmin=0, vmax=1)
+        row[0].set_title(f"writes {layer['text']!r}", fontsize=7)
+        for k, ax in enumerate(row[1:]):
+            if k < len(layer["grid"]):
+                ax.imshow(layer["grid"][k], cmap="viridis", vmin=0.0)
+                ax.set_title(f"{layer['module']}\nwriting {layer['text'][k]!r}", fontsize=7)
+            ax.set_xticks([])
+            ax.set_yticks([])
+        row[0].set_xticks([])
+        row[0].set_yticks([])
+    axes = axes[: len(layers)]
+    for i, (row, layer) in enumerate(zip(axes, layers)):
+        row[0].imshow(result.data["image"], cmap="gray", vmin=0, vmax=1)
+        row[0].set_title("image" + (f" ({result.data['label']})" if result.data["label"] is not None else ""),
+                         fontsize=7)
+        for h, ax in enumerate(row[1 : n_heads + 1]):
+            grid = layer["grid"][h]
+            ax.imshow(grid, cmap="viridis", vmin=0.0)
+            ax.set_title(f"{layer['module']} h{h}\non ink {layer['on_ink'][h]:.0%}", fontsize=7)
+        for ax in row:
+            ax.set_xticks([])
+            ax.set_yticks([])

@@ -28,6 +28,7 @@ from ..errors import UsageError
 from ..models import build_model
 from ..models.embedding import Embedding
 from ..models.heads import TaskModel, build_head
+from ..models.inputs import InputAdapter
 from ..nn.lora import LORA_MARK, adapter_state, apply_lora, lora_layers
 from ..run_config import RunConfig
 
@@ -41,6 +42,8 @@ def pooling_for(cfg: RunConfig) -> str:
     position has read the whole text), ``cls`` otherwise."""
     if cfg.head.pooling != "auto":
         return cfg.head.pooling
+    if cfg.model.input != "tokens" and not cfg.model.cls_token:
+        return "mean"  # patches or frames without a class token: no position summarises the rest
     return "last" if cfg.model.arch == "decoder" else "cls"
 
 
@@ -137,13 +140,14 @@ def init_from(model: nn.Module, cfg: RunConfig, log: Any = print) -> InitReport:
 
 # ---------------------------------------------------------------------- freezing and lr
 def freeze(model: nn.Module, what: str) -> None:
-    """``train.freeze``: ``embeddings`` (token and position tables, and a head tied to them)
+    """``train.freeze``: ``embeddings`` (token and position tables and a head tied to them, or
+    the input adapter of patches or frames)
     or ``body`` (everything but the task head)."""
     if what == "none":
         return
     if what == "embeddings":
         for module in model.modules():
-            if isinstance(module, Embedding):
+            if isinstance(module, (Embedding, InputAdapter)):  # token tables, or a patch/frame adapter
                 module.requires_grad_(False)
     elif what == "body":
         if not isinstance(model, TaskModel):

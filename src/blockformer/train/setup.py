@@ -28,6 +28,7 @@ from ..data.labelled import LabelledData, class_weights, label_counts, label_nam
 from ..data.masking import MaskingRates
 from ..run_config import DataConfig, RunConfig
 from ..tokenizers import TOKENIZERS, Tokenizer, load_tokenizer, train_tokenizer
+from .arrays import DATASETS, build_array_objective, check_dataset, dataset_labels, dataset_tokenizer
 from .checkpoint import load_tokenizer_for, read_config
 from .classify import TaskHead
 from .finetune import build_model_for
@@ -69,6 +70,8 @@ def make_task_for(data: DataConfig) -> Task:
 def objective_for(cfg: RunConfig) -> str:
     """``train.objective`` resolved: what the data and architecture ask for under ``auto``."""
     kind, arch, objective = cfg.data.kind, cfg.model.arch, cfg.train.objective
+    if kind == "dataset":  # images or signals (train/arrays.py)
+        return "head" if cfg.head.task != "none" else "seq2seq"
     if kind == "labelled":
         return "head"
     if kind == "text" and objective == "auto":
@@ -78,6 +81,11 @@ def objective_for(cfg: RunConfig) -> str:
 
 def check_arch(cfg: RunConfig) -> None:
     kind, arch, objective = cfg.data.kind, cfg.model.arch, cfg.train.objective
+    if kind == "dataset":
+        return check_dataset(cfg)
+    if cfg.model.input != "tokens":
+        raise UsageError(f"model.input={cfg.model.input!r}: reads images or signals; expected data.dataset "
+                         f"(one of {', '.join(DATASETS)}) or model.input='tokens'")
     if objective == "mlm" and (kind != "text" or arch != "encoder"):
         raise UsageError(f"train.objective='mlm': masked language modelling trains an encoder on text; expected "
                          f"model.arch='encoder' and data.text (got model.arch={arch!r}, {kind} data)")
@@ -117,6 +125,8 @@ def build_tokenizer(cfg: RunConfig, tokenizer_from: str | Path | None = None) ->
     tokenizer_from = tokenizer_from or cfg.train.init_from or None  # fine-tuning keeps the base's tokenizer
     if tokenizer_from is not None:
         return load_tokenizer_for(tokenizer_from, read_config(tokenizer_from).model.vocab_size)
+    if data.kind == "dataset":
+        return dataset_tokenizer(cfg)
     if data.kind == "task":
         task = make_task_for(data)
         if data.tokenizer == "char":
@@ -138,6 +148,8 @@ def build_run(
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
     if cfg.data.kind == "labelled" and not cfg.head.labels:  # the label names, saved with the run
         cfg = dataclasses.replace(cfg, head=dataclasses.replace(cfg.head, labels=labelled_names(cfg)))
+    if cfg.data.kind == "dataset" and cfg.head.task != "none" and not cfg.head.labels:
+        cfg = dataclasses.replace(cfg, head=dataclasses.replace(cfg.head, labels=dataset_labels(cfg)))
     model = build_model_for(cfg, seed=cfg.train.seed, device=device, log=log, load_init=tokenizer_from is None)
     objective = build_objective(cfg, tokenizer, device, log)
     return Run(config=cfg, tokenizer=tokenizer, model=model, objective=objective)
@@ -148,6 +160,8 @@ def build_objective(
 ) -> Objective:
     """Training and validation data for ``cfg``, wrapped as the loop's objective."""
     data, tc = cfg.data, cfg.train
+    if data.kind == "dataset":
+        return build_array_objective(cfg, tokenizer, device, log)
     if data.kind == "labelled":
         return build_head_objective(cfg, tokenizer, device, log)
     if data.kind == "text":

@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import blockformer_gpt2, gpt2_config, hf_gpt2, sync, synthetic_lm
+from common import blockformer_gpt2, device_and_precision, gpt2_config, hf_gpt2, sync, synthetic_lm
 
 from blockformer.run_config import TrainConfig
 from blockformer.stats import flops_per_token
 from blockformer.train.compile import compile_loss
 from blockformer.train.loop import train_step
 from blockformer.train.optim import build_optimizer, fused_available, param_groups
-from blockformer.train.precision import autocast, grad_scaler, resolve_precision
+from blockformer.train.precision import autocast, grad_scaler
 from blockformer.train.throughput import format_flops, peak_flops
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,10 +75,7 @@ def step_times(step, n_warmup: int, n_steps: int, device: torch.device) -> list[
 
 def main() -> int:
     args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    precision = resolve_precision(args.precision, device)
+    device, precision = device_and_precision(args)
     cfg = gpt2_config(args.layers, args.d_model, args.heads, args.vocab, max(1024, args.seq_len))
     tc = TrainConfig(lr=6e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0, precision=precision)
     objective = synthetic_lm(args.vocab, args.seq_len, args.batch, device)

@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from common import device_and_precision
+
 from blockformer import TransformerConfig, build_model
 from blockformer.probes.memory import TensorMemory
-from blockformer.train.precision import autocast, resolve_precision
+from blockformer.train.precision import autocast
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,10 +89,7 @@ def measure(args, T: int, masked: bool, precision: str, device: torch.device) ->
 
 def main() -> int:
     args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    precision = resolve_precision(args.precision, device)
+    device, precision = device_and_precision(args)
     rows = []
     for T in [int(x) for x in args.lengths.split(",") if x.strip()]:
         for masked in (False,) if args.skip_masked else (False, True):

@@ -10,6 +10,7 @@ import torch
 from blockformer import TransformerConfig, build_model
 from blockformer.data.lm import LMDataset
 from blockformer.train.objective import LanguageModelling
+from blockformer.train.precision import resolve_precision
 
 
 def gpt2_config(layers: int = 12, d_model: int = 768, heads: int = 12, vocab: int = 50257,
@@ -63,3 +64,11 @@ def timed(fn, device: torch.device, repeats: int) -> float:
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def device_and_precision(args) -> tuple[torch.device, str]:
+    """Threads, device and the resolved precision from a script's ``--threads/--device/--precision``."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    return device, resolve_precision(args.precision, device)

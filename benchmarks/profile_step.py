@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common import gpt2_config, synthetic_lm
+from common import device_and_precision, gpt2_config, synthetic_lm
 
 from blockformer import build_model
 from blockformer.data.batcher import TokenBatcher
@@ -33,7 +33,7 @@ from blockformer.train.compile import compile_loss
 from blockformer.train.loop import train_step
 from blockformer.train.objective import Seq2Seq
 from blockformer.train.optim import build_optimizer
-from blockformer.train.precision import grad_scaler, resolve_precision
+from blockformer.train.precision import grad_scaler
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = ("char-lm-tiny", "gpt2-small", "translate-small")
@@ -75,10 +75,7 @@ def setup(shape: str, device: torch.device, args):
 
 def main() -> int:
     args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    precision = resolve_precision(args.precision, device)
+    device, precision = device_and_precision(args)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:

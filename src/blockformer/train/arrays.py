@@ -175,6 +175,7 @@ class ImageToText(Seq2Seq):
         self.task, self.tokenizer = "digit-strings", train.tokenizer
         self.generator = torch.Generator().manual_seed(seed)
         self._stream = None  # batches are drawn with the generator (Seq2Seq's state handling)
+        self.buckets = None  # images come in one shape; only text targets would need buckets
 
     @torch.no_grad()
     def exact_match(self, model: nn.Module, n: int, batch_size: int = 64) -> float:

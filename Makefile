@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The demo replaces its own previous run (runs/stdlib-lm); `blockformer train` alone refuses to.
 demo: install
-	$(PY) -m blockformer train --preset stdlib-lm
+	$(PY) -m blockformer train --preset stdlib-lm --overwrite
 
 # Pre-train an encoder by masked-LM on the standard library, then fine-tune it to tell which
 # stdlib package a function comes from (docs/finetuning.md; about 15 minutes on 2 cores).

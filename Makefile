@@ -25,12 +25,12 @@ demo: install
 # stdlib package a function comes from (docs/finetuning.md; about 15 minutes on 2 cores).
 finetune-demo: install
 	$(PY) -m blockformer.data.stdlib_packages --out data/stdlib-packages
-	$(PY) -m blockformer train --preset stdlib-mlm
-	$(PY) -m blockformer train --preset stdlib-packages --init-from runs/stdlib-mlm/best
+	$(PY) -m blockformer train --preset stdlib-mlm --overwrite
+	$(PY) -m blockformer train --preset stdlib-packages --init-from runs/stdlib-mlm/best --overwrite
 # Other inputs: a small ViT on scikit-learn's 8x8 digits, then its test accuracy (README "Other inputs").
 digits: install
 	$(PY) -m pip install -q -e '.[data]'
-	$(PY) -m blockformer train --preset digits-vit
+	$(PY) -m blockformer train --preset digits-vit --overwrite
 	$(PY) -m blockformer predict --checkpoint runs/digits-vit --split test --output runs/digits-vit/test.jsonl
 
 test: install

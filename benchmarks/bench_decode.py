@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from common import gpt2_config, hf_gpt2, timed
+from common import add_shape_args, gpt2_config, hf_gpt2, timed
 
 from blockformer.generate import generate, speculative_generate
 from blockformer.generate.quantize import Int4Linear, Int8Linear, quantize
@@ -53,10 +53,7 @@ QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear}
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--d-model", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=50257)
+    add_shape_args(p)
     p.add_argument("--tokens", type=int, default=256, help="new tokens per run")
     p.add_argument("--prompt", type=int, default=16, help="prompt length")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import blockformer_gpt2, device_and_precision, gpt2_config, hf_gpt2, sync, synthetic_lm
+from common import add_shape_args, blockformer_gpt2, device_and_precision, gpt2_config, hf_gpt2, sync, synthetic_lm
 
 from blockformer.run_config import TrainConfig
 from blockformer.stats import flops_per_token
@@ -43,10 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--d-model", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=50257)
+    add_shape_args(p)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")

@@ -13,6 +13,14 @@ from blockformer.train.objective import LanguageModelling
 from blockformer.train.precision import resolve_precision
 
 
+def add_shape_args(p) -> None:
+    """``--layers --d-model --heads --vocab``, GPT-2 small's by default."""
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=50257)
+
+
 def gpt2_config(layers: int = 12, d_model: int = 768, heads: int = 12, vocab: int = 50257,
                 max_len: int = 1024) -> TransformerConfig:
     """GPT-2's architecture: learned positions, GELU, pre-norm LayerNorm, biases, tied head."""

@@ -15,7 +15,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from .config import TransformerConfig, _check_types, _describe, _is_union, dumps_toml, suggest
+from .config import TransformerConfig
+from .schema import check_types, describe, dumps_toml, is_union, suggest
 from .errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -67,7 +68,7 @@ class DataConfig:
     max_digits: int = 4  # digit-strings: 1..max_digits digits side by side per image
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         if self.shift < 0:
             raise UsageError(f"data.shift={self.shift!r}: expected an integer >= 0 (0 = no shifts)")
         _positive(self, "max_digits")
@@ -141,7 +142,7 @@ class TrainConfig:
     activation_checkpointing: Checkpointing = "none"  # full: every block; selective: all but matmuls
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         for name in ("mask_rate", "mask_token_rate", "random_token_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise UsageError(f"train.{name}={getattr(self, name)!r}: expected a float in [0, 1]")
@@ -192,7 +193,7 @@ class HeadConfig:
     labels: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         if not 0.0 <= self.dropout < 1.0:
             raise UsageError(f"head.dropout={self.dropout!r}: expected a float in [0, 1)")
         if not isinstance(self.labels, list) or not all(isinstance(x, str) for x in self.labels):
@@ -211,7 +212,7 @@ class LoraConfig:
     targets: list[str] = field(default_factory=lambda: ["qkv", "out"])  # qkv, out, up, gate, down
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         if self.rank < 0:
             raise UsageError(f"lora.rank={self.rank!r}: expected an integer >= 0 (0 = off)")
         if self.alpha <= 0:
@@ -240,7 +241,7 @@ class ParallelConfig:
     pp_microbatches: int = 0  # micro-batches per step in the pipeline; 0 = 2 * pp
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         _positive(self, "dp_replicate", "tp", "pp")
         if self.dp_shard < 1 and self.dp_shard != -1:
             raise UsageError(f"parallel.dp_shard={self.dp_shard!r}: expected an integer >= 1, or -1 (the rest)")
@@ -353,7 +354,7 @@ def parse_override(item: str) -> tuple[str, str, Any]:
 
 
 def _parse_value(name: str, raw: str, hint: Any) -> Any:
-    options = get_args(hint) if _is_union(hint) else (hint,)
+    options = get_args(hint) if is_union(hint) else (hint,)
     if type(None) in options and raw.lower() in ("none", "null"):
         return None
     for option in options:
@@ -361,7 +362,7 @@ def _parse_value(name: str, raw: str, hint: Any) -> Any:
             return _convert(raw, option)
         except ValueError:
             continue
-    raise UsageError(f"--set {name}={raw}: expected {_describe(hint)}")
+    raise UsageError(f"--set {name}={raw}: expected {describe(hint)}")
 
 
 def _convert(raw: str, hint: Any) -> Any:

@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 
-from ..config import suggest
+from ..schema import suggest
 from ..errors import UsageError
 
 # name -> (module, one-line help). Keep in the order a user meets them.

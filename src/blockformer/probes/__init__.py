@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import UsageError
-from ..config import suggest
+from ..schema import suggest
 from .report import ProbeResult
 
 # name -> one line: the claim each probe checks. Modules are imported when used.

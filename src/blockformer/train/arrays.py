@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..config import suggest
+from ..schema import suggest
 from ..data.frames import load_vowels_split, pad_frames
 from ..data.images import DIGIT_SIZE, digit_strings, load_digits_split, pad_images, shift
 from ..data.labelled import LabelledBatch

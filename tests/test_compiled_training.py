@@ -142,3 +142,35 @@ def test_inductor_compiled_training_gives_the_eager_loss_curve(tmp_path, make):
     compiled = train(cfg, tmp_path / "compiled", **QUIET)
     torch._dynamo.reset()
     torch.testing.assert_close(compiled.losses, eager.losses, atol=2e-3, rtol=1e-3)
+
+
+def test_auto_compiles_only_models_whose_blocks_hold_20m_weights():
+    """``train.compile=auto`` (the default) follows the measured break-even: GPT-2 small's
+    shape (85M block weights) compiles, nanoGPT's CPU shape (0.8M) and the translator do not;
+    an explicit setting wins."""
+    from blockformer.run_config import load_run_config  # noqa: PLC0415
+    from blockformer.stats import block_weights  # noqa: PLC0415
+    from blockformer.train.compile import resolve_compile  # noqa: PLC0415
+
+    gpt2 = TransformerConfig(arch="decoder", vocab_size=50257, d_model=768, n_layers=12, n_heads=12)
+    assert block_weights(gpt2) == 12 * (4 * 768 * 768 + 2 * 768 * 3072)  # 84.9M: attention + FFN
+    assert resolve_compile("auto", gpt2) is True
+    assert resolve_compile(False, gpt2) is False
+    tiny = load_run_config(preset="char-lm-tiny")
+    assert tiny.train.compile == "auto" and block_weights(tiny.model) == 786_432
+    assert resolve_compile("auto", tiny.model) is False
+    assert resolve_compile(True, tiny.model) is True
+    assert resolve_compile("auto", load_run_config(preset="translate-small").model) is False
+    assert resolve_compile("auto", load_run_config(preset="original-base").model) is True  # 44M
+    assert load_run_config(preset="char-lm-tiny", overrides=["train.compile=true"]).train.compile is True
+    with pytest.raises(Exception, match="train.compile"):
+        load_run_config(preset="char-lm-tiny", overrides=["train.compile=sometimes"])
+
+
+def test_a_default_run_of_a_small_model_trains_eagerly(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(loop_module, "compile_loss", lambda objective: calls.append(1) or objective.loss)
+    train(tiny_lm(tmp_path, "train.steps=2", "train.eval_every=0"), tmp_path / "run", **QUIET)
+    assert calls == []
+    train(tiny_lm(tmp_path, "train.steps=2", "train.eval_every=0", "train.compile=true"), tmp_path / "run2", **QUIET)
+    assert calls == [1]

@@ -46,3 +46,30 @@ def test_causal_training_at_long_length_builds_no_t_by_t_tensor(position):
         _train_step(model, tokens, attention_mask=torch.ones(1, T, dtype=torch.bool))
     assert masked.largest >= T * T
     assert masked.peak > fused.peak
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype,keys,grad,fused", [
+    (torch.bfloat16, 64, True, False),  # training in bf16 over short keys: the unfused kernel
+    (torch.bfloat16, 256, True, True),  # longer keys: the fused one (measured faster from ~256)
+    (torch.float32, 64, True, True),  # fp32: fused at every length
+    (torch.bfloat16, 64, False, True),  # inference: fused
+])
+def test_cpu_attention_kernel_follows_the_measured_choice(dtype, keys, grad, fused):
+    from blockformer.nn.attention import _sdpa  # noqa: PLC0415
+
+    q, k, v = (torch.randn(2, 4, keys, 16, dtype=dtype, requires_grad=grad) for _ in range(3))
+    with _Ops() as ops, torch.set_grad_enabled(grad):
+        out = _sdpa(q, k, v, None, True, 0.0)
+    assert any("flash_attention" in n for n in ops.names) is fused, sorted(ops.names)
+    reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert (out.float() - reference).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -5,13 +5,29 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from blockformer.data.labelled import IGNORE
 from blockformer.data.seq2seq import collate_pairs
+from blockformer.tokenizers import PAD_ID
 from blockformer.train.loop import train_step
 from blockformer.train.optim import build_optimizer, fused_available
 from blockformer.train.precision import grad_scaler
 from blockformer.train.setup import build_run
 
+from test_heads import tiny_head_cfg
+from test_mlm import _tiny_mlm
 from test_train_loop import tiny_lm, tiny_pairs
+
+
+def tiny_mlm(tmp_path, *overrides: str):
+    return _tiny_mlm(tmp_path, *overrides)
+
+
+def tiny_token_head(tmp_path, *overrides: str):
+    """A per-token head (its target count depends on the values: IGNORE positions)."""
+    path = tmp_path / "tags.tsv"
+    path.write_text("".join(f"good bad the {'good' if i % 2 else 'bad'}\tP O O {'P' if i % 2 else 'O'}\n"
+                            for i in range(40)))
+    return tiny_head_cfg(tmp_path, f"data.labels={path}", "head.task=tokens", "model.arch=encoder", *overrides)
 
 
 class HostSyncs(TorchDispatchMode):
@@ -29,7 +45,7 @@ class HostSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("make", [tiny_lm, tiny_pairs])
+@pytest.mark.parametrize("make", [tiny_lm, tiny_pairs, tiny_mlm, tiny_token_head])
 def test_a_training_step_never_reads_a_device_value_on_the_host(tmp_path, monkeypatch, make):
     cfg = make(tmp_path, "train.steps=4")
     device = torch.device("cpu")
@@ -39,11 +55,11 @@ def test_a_training_step_never_reads_a_device_value_on_the_host(tmp_path, monkey
     params = [p for p in run.model.parameters() if p.requires_grad]
     objective = run.objective
     losses = [train_step(run.model, objective, [objective.next_batch()], optimizer, scaler, params, cfg.train, device)]
+    drawn = [[objective.next_batch(), objective.next_batch()] for _ in range(3)]  # built on the host, then moved
     counted = HostSyncs()
     original_tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: counted.calls.append("tolist") or original_tolist(t))
-    for _ in range(3):  # what the loop does between two log steps
-        batches = [objective.next_batch(), objective.next_batch()]  # built on the host, then moved
+    for batches in drawn:  # what the loop does between two log steps
         with counted:
             losses.append(train_step(run.model, objective, batches, optimizer, scaler, params, cfg.train, device,
                                      check_finite=True))  # as the loop calls it
@@ -90,3 +106,25 @@ def test_batches_count_source_and_target_tokens_once_on_the_host():
     assert (batch.num_src_tokens, batch.num_tokens) == (4 + 2, 2 + 5)
     moved = batch.to("cpu", non_blocking=True)
     assert (moved.num_src_tokens, moved.num_tokens) == (6, 7)
+
+
+@pytest.mark.parametrize("make", [tiny_mlm, tiny_token_head])
+def test_value_dependent_counts_are_taken_on_the_host_before_the_move(tmp_path, make):
+    """Masked-LM targets and per-token labels are counted from their values; the batch carries
+    the count from the host, so the device copy is never read (a meta tensor cannot be)."""
+    objective = build_run(make(tmp_path), torch.device("cpu"), log=lambda *a: None).objective
+    state = objective.generator.get_state()
+    objective.device = torch.device("meta")
+    on_meta = objective.next_batch()
+    objective.generator.set_state(state)
+    objective.device = torch.device("cpu")
+    on_cpu = objective.next_batch()  # the same draw, readable
+    if make is tiny_mlm:
+        assert on_meta.inputs.is_meta
+        by_hand, tokens = int((on_cpu.targets != PAD_ID).sum()), on_cpu.inputs.numel()
+    else:
+        assert on_meta.tokens.is_meta
+        by_hand, tokens = int((on_cpu.targets != IGNORE).sum()), int(on_cpu.mask.sum())
+    assert 0 < by_hand < tokens
+    assert objective.count_targets(on_meta) == by_hand
+    assert objective.count_tokens(on_meta) == tokens

@@ -107,7 +107,7 @@ def test_every_preset_loads_and_builds(name):
     if name == "char-lm-tiny":
         m, t = cfg.model, cfg.train
         assert (m.n_layers, m.n_heads, m.d_model, m.max_seq_len, m.dropout) == (4, 4, 128, 64, 0.0)
-        assert (t.batch_size, t.steps, t.lr, t.min_lr, t.warmup) == (12, 2000, 1e-3, 1e-4, 100)
+        assert (t.batch_size, t.steps, t.lr, t.min_lr, t.warmup) == (12, 2000, 2e-3, 1e-4, 100)
         assert (cfg.data.seq_len, cfg.data.tokenizer, cfg.data.val_fraction) == (64, "char", 0.1)
     import torch
 

@@ -29,6 +29,7 @@ Precision = Literal["auto", "fp32", "bf16", "fp16"]
 Device = Literal["auto", "cpu", "cuda"]
 NonFinite = Literal["stop", "skip"]
 Objective = Literal["auto", "lm", "mlm"]
+Compile = Literal["auto"]
 Freeze = Literal["none", "embeddings", "body"]
 HeadTask = Literal["none", "classify", "multilabel", "tokens", "regress"]
 Pooling = Literal["auto", "cls", "mean", "last"]
@@ -116,7 +117,7 @@ class TrainConfig:
     label_smoothing: float = 0.0
     precision: Precision = "fp32"  # auto: bf16 where the device has bf16 units, else fp32
     device: Device = "auto"
-    compile: bool = False
+    compile: bool | Compile = "auto"  # auto: on for models whose blocks hold >= 20M weights (train/compile.py)
     seed: int = 0
     eval_every: int = 200  # also saves a checkpoint; 0 = only at the end
     eval_batches: int = 20

@@ -35,6 +35,15 @@ def _layer_matmul_params(cfg: TransformerConfig, cross: bool) -> int:
     return attn + ffn
 
 
+def block_weights(cfg: TransformerConfig) -> int:
+    """Matmul weights in the blocks a token passes (attention, cross-attention, FFN; for MoE
+    the ones it is routed to), without embeddings and head: what sets a step's matmul size."""
+    if cfg.arch == "encoder-decoder":
+        return (cfg.n_encoder_layers * _layer_matmul_params(cfg, False)
+                + cfg.n_decoder_layers * _layer_matmul_params(cfg, True))
+    return cfg.n_layers * _layer_matmul_params(cfg, False)
+
+
 def active_parameters(model: nn.Module, cfg: TransformerConfig) -> int:
     """Parameters one token uses: all of them, less the experts it is not routed to
     (E - k of each MoE layer's E experts). Equal to ``count_parameters`` for a dense model."""
@@ -55,12 +64,10 @@ def flops_per_token(cfg: TransformerConfig, seq_len: int | None = None, *, train
     """
     T = seq_len or cfg.max_seq_len
     d = cfg.d_model
+    n = block_weights(cfg)
     if cfg.arch == "encoder-decoder":
-        n = cfg.n_encoder_layers * _layer_matmul_params(cfg, False)
-        n += cfg.n_decoder_layers * _layer_matmul_params(cfg, True)
         attn = 4 * T * d * (cfg.n_encoder_layers + 2 * cfg.n_decoder_layers)
     else:
-        n = cfg.n_layers * _layer_matmul_params(cfg, False)
         attn = 4 * T * d * cfg.n_layers
     forward = 2 * (n + d * cfg.vocab_size) + attn
     return 3 * forward if training else forward

@@ -148,9 +148,19 @@ class LabelledBatch:
     tokens: torch.Tensor
     mask: torch.Tensor
     targets: torch.Tensor
+    # Counted on the host before the move to the device, so the trainer's token counts
+    # need no device sync (None: not counted yet).
+    n_tokens: int | None = None  # real (unpadded) positions
+    n_labelled: int | None = None  # integer targets other than IGNORE
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "LabelledBatch":
-        return LabelledBatch(*(t.to(device, non_blocking=non_blocking) for t in (self.tokens, self.mask, self.targets)))
+        n_tokens, n_labelled = self.n_tokens, self.n_labelled
+        if self.tokens.device.type == "cpu":
+            n_tokens = int(self.mask.sum()) if n_tokens is None else n_tokens
+            if n_labelled is None and not self.targets.is_floating_point():
+                n_labelled = int((self.targets != IGNORE).sum())
+        moved = (t.to(device, non_blocking=non_blocking) for t in (self.tokens, self.mask, self.targets))
+        return LabelledBatch(*moved, n_tokens=n_tokens, n_labelled=n_labelled)
 
 
 class LabelledData:

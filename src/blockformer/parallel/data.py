@@ -45,4 +45,5 @@ def shard_batch(batch: Any, rank: int, n: int) -> Any:
         # The tensors' rows; the token counts (ints) are counted again for the shard.
         parts = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
         return Seq2SeqBatch(**{k: v[rows] for k, v in parts.items() if isinstance(v, torch.Tensor)})
-    return tuple(t[rows] for t in batch)
+    parts = [t[rows] if isinstance(t, torch.Tensor) else None for t in batch]  # host counts: counted again
+    return type(batch)(*parts) if hasattr(batch, "_fields") else tuple(parts)

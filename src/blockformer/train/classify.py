@@ -45,9 +45,11 @@ def head_loss(task: str, output: torch.Tensor, targets: torch.Tensor,
     raise ValueError(f"head.task={task!r}: expected classify, multilabel, tokens or regress")
 
 
-def count_head_targets(task: str, targets: torch.Tensor) -> int:
+def count_head_targets(task: str, targets: torch.Tensor, n_labelled: int | None = None) -> int:
+    """The examples (or labelled tokens, or label slots) the loss averages over;
+    ``n_labelled``, counted on the host, spares a device sync for token tasks."""
     if task == "tokens":
-        return max(int((targets != IGNORE).sum()), 1)
+        return max(n_labelled if n_labelled is not None else int((targets != IGNORE).sum()), 1)
     return targets.numel()  # examples, or (example, label) pairs for multilabel
 
 
@@ -99,10 +101,10 @@ class TaskHead(Objective):
         return head_loss(self.task, model(batch.tokens, attention_mask=batch.mask), batch.targets, self.weights)
 
     def count_targets(self, batch: LabelledBatch) -> int:
-        return count_head_targets(self.task, batch.targets)
+        return count_head_targets(self.task, batch.targets, batch.n_labelled)
 
     def count_tokens(self, batch: LabelledBatch) -> int:
-        return int(batch.mask.sum())
+        return batch.n_tokens if batch.n_tokens is not None else int(batch.mask.sum())
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, cfg: TrainConfig) -> dict[str, float]:

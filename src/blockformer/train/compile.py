@@ -7,6 +7,12 @@ modelling batches are always ``(batch_size, seq_len)``; sequence-to-sequence bat
 padded to a small set of bucket shapes (``data.buckets``), each compiled once in the first
 steps. The optimizer step is not traced: fused AdamW (``train.optim``) already runs it as
 one kernel over all parameters, which is what compiling it would buy.
+
+``train.compile = "auto"`` (the default) compiles only where it was measured to pay
+(BENCHMARKS.md, 2-core CPU, bf16): at GPT-2 small's shape (85M weights in the blocks) the
+compiled step ran 1.46x the eager one; at nanoGPT's CPU shape (0.8M) 0.97x, and the
+7M-weight translator was slower compiled, while compilation itself costs a minute of
+start-up. So auto compiles when the blocks hold at least ``AUTO_MIN_BLOCK_WEIGHTS``.
 """
 
 from __future__ import annotations
@@ -16,11 +22,22 @@ from typing import Any
 
 import torch
 
+from ..config import TransformerConfig
+from ..stats import block_weights
 from .objective import Objective
 
 LossFn = Callable[..., torch.Tensor]  # (model, batch, label_smoothing) -> summed loss
 
 BACKEND: Any = "inductor"  # tests swap in a counting backend
+AUTO_MIN_BLOCK_WEIGHTS = 20_000_000
+
+
+def resolve_compile(setting: bool | str, cfg: TransformerConfig) -> bool:
+    """``train.compile`` as a decision: ``"auto"`` is on for models whose blocks hold at
+    least ``AUTO_MIN_BLOCK_WEIGHTS`` matmul weights (embeddings and head not counted)."""
+    if setting == "auto":
+        return block_weights(cfg) >= AUTO_MIN_BLOCK_WEIGHTS
+    return bool(setting)
 
 
 def compile_loss(objective: Objective, max_shapes: int = 16) -> LossFn:

@@ -51,7 +51,7 @@ from .checkpoint import (
     step_checkpoints,
     step_dir_name,
 )
-from .compile import LossFn, compile_loss
+from .compile import LossFn, compile_loss, resolve_compile
 from .metrics import MetricsLog, perplexity, plot_losses
 from .finetune import lr_scale
 from .optim import build_optimizer, kernel_kept
@@ -125,7 +125,8 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
         log = log if main else _quiet
         log(f"parallel: {par.describe()}")
     requested = tc.precision
-    tc = dataclasses.replace(tc, precision=resolve_precision(requested, device))  # cfg keeps "auto"
+    tc = dataclasses.replace(tc, precision=resolve_precision(requested, device),  # cfg keeps "auto"
+                             compile=resolve_compile(tc.compile, cfg.model))
     check_precision(tc.precision, device)
     state = None
     if resume is not None:

@@ -9,7 +9,7 @@ scores the same positions, and reports the masked-token accuracy beside the loss
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -21,7 +21,13 @@ from ..tokenizers import PAD_ID
 from .loss import token_loss
 from .objective import Objective
 
-MLMBatch = tuple[torch.Tensor, torch.Tensor]  # (corrupted inputs, targets: PAD where not selected)
+
+class MLMBatch(NamedTuple):
+    inputs: torch.Tensor  # corrupted
+    targets: torch.Tensor  # PAD where not selected
+    n_selected: int | None = None  # counted on the host before the move: no device sync per step
+
+
 EVAL_SEED = 1234
 
 
@@ -34,18 +40,21 @@ class MaskedLM(Objective):
 
     def _corrupt(self, x: torch.Tensor, generator: torch.Generator) -> MLMBatch:
         inputs, targets = mask_tokens(x, self.vocab_size, self.rates, generator)
-        return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+        n_selected = int((targets != PAD_ID).sum())
+        return MLMBatch(inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True), n_selected)
 
     def next_batch(self) -> MLMBatch:
         x, _ = self.train.sample(self.batch_size, self.generator)
         return self._corrupt(x, self.generator)
 
     def loss(self, model: nn.Module, batch: MLMBatch, label_smoothing: float = 0.0) -> torch.Tensor:
-        inputs, targets = batch
+        inputs, targets = batch[0], batch[1]
         return token_loss(model(inputs), targets, label_smoothing)  # PAD targets are ignored
 
     def count_targets(self, batch: MLMBatch) -> int:
-        return max(int((batch[1] != PAD_ID).sum()), 1)
+        n = getattr(batch, "n_selected", None)
+        n = int((batch[1] != PAD_ID).sum()) if n is None else n
+        return max(n, 1)
 
     def count_tokens(self, batch: MLMBatch) -> int:
         return batch[0].numel()
@@ -57,7 +66,7 @@ class MaskedLM(Objective):
         generator = torch.Generator().manual_seed(EVAL_SEED)
         total, count, correct = 0.0, 0, 0
         for x, _ in self.val.eval_batches(cfg.batch_size, cfg.eval_batches):
-            inputs, targets = self._corrupt(x, generator)
+            inputs, targets, _ = self._corrupt(x, generator)
             logits = model(inputs)
             selected = targets != PAD_ID
             total += float(token_loss(logits, targets))

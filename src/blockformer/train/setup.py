@@ -31,6 +31,7 @@ from ..tokenizers import TOKENIZERS, Tokenizer, load_tokenizer, train_tokenizer
 from .arrays import DATASETS, build_array_objective, check_dataset, dataset_labels, dataset_tokenizer
 from .checkpoint import load_tokenizer_for, read_config
 from .classify import TaskHead
+from .compile import resolve_compile
 from .finetune import build_model_for
 from .mlm import MaskedLM
 from .objective import LanguageModelling, Objective, Seq2Seq
@@ -178,7 +179,8 @@ def build_objective(
             rates = MaskingRates(tc.mask_rate, tc.mask_token_rate, tc.random_token_rate)
             return MaskedLM(train, val, tc.batch_size, tc.seed, device, tokenizer.vocab_size, rates)
         return LanguageModelling(train, val, tc.batch_size, tc.seed, device)
-    buckets = length_buckets(cfg.model.max_seq_len) if tc.compile else None  # few shapes to compile
+    compiled = resolve_compile(tc.compile, cfg.model)
+    buckets = length_buckets(cfg.model.max_seq_len) if compiled else None  # few shapes to compile
     if data.kind == "task":
         task = make_task_for(data)
         batches = TaskBatches(task, tokenizer, tc.batch_size)

@@ -8,11 +8,15 @@ padded to a small set of bucket shapes (``data.buckets``), each compiled once in
 steps. The optimizer step is not traced: fused AdamW (``train.optim``) already runs it as
 one kernel over all parameters, which is what compiling it would buy.
 
-``train.compile = "auto"`` (the default) compiles only where it was measured to pay
+``train.compile = "auto"`` (the default) compiles where it was measured to pay for itself
 (BENCHMARKS.md, 2-core CPU, bf16): at GPT-2 small's shape (85M weights in the blocks) the
-compiled step ran 1.46x the eager one; at nanoGPT's CPU shape (0.8M) 0.97x, and the
-7M-weight translator was slower compiled, while compilation itself costs a minute of
-start-up. So auto compiles when the blocks hold at least ``AUTO_MIN_BLOCK_WEIGHTS``.
+compiled step ran 1.46x the eager one. At nanoGPT's CPU shape (0.8M) it ran 1.26x, but a
+2000-step run took 44.6 s compiled against 41.5 s eager (compilation and evaluations
+included), and the
+7M-weight translator was slower over its first 80 steps while its bucket shapes compiled.
+Small models make short runs, where the start-up (and, on a CPU, the C++ toolchain
+inductor needs) is not worth it; so auto compiles when the blocks hold at least
+``AUTO_MIN_BLOCK_WEIGHTS``.
 """
 
 from __future__ import annotations

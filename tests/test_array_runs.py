@@ -23,7 +23,7 @@ from blockformer.errors import UsageError
 from blockformer.probes import attention
 from blockformer.run_config import load_run_config
 from blockformer.train import train
-from blockformer.train.arrays import check_dataset
+from blockformer.train.arrays import DigitStrings, check_dataset
 
 QUIET = dict(log=lambda *a: None)
 FAST = ["train.progress=false", "train.samples=0"]
@@ -97,6 +97,24 @@ def test_digit_strings_put_digits_side_by_side_with_their_text():
     batch, mask = pad_images(out, 2)
     assert batch.shape[-1] == 24 and mask.shape == (20, 4 * 12)
     assert [int(m.sum()) for m in mask] == [4 * 4 * len(t) for t in texts]
+
+
+def test_training_strings_are_shifted_digit_by_digit_within_their_slots():
+    cfg = load_run_config(preset="digits-to-text", overrides=["data.shift=1", "data.rotate=0", "data.zoom=0"])
+    strings = DigitStrings("train", cfg, None, 8, train=True)
+    images, texts = strings.make(64, torch.Generator().manual_seed(0))
+    plain, plain_texts = digit_strings(strings.images, strings.labels, 64, 4, torch.Generator().manual_seed(0))
+    assert texts == plain_texts and [im.shape for im in images] == [im.shape for im in plain]
+    independent = 0
+    for im, orig in zip(images, plain):
+        slots, before = (x.reshape(1, 8, -1, 8).permute(2, 0, 1, 3) for x in (im, orig))  # (k, 1, 8, 8)
+        torch.testing.assert_close(slots.sum((1, 2, 3)), before.sum((1, 2, 3)))  # each digit's ink stays in its slot
+        moves = (_centroids(slots) - _centroids(before)).round(decimals=4)
+        assert moves.abs().max() <= 1 and torch.equal(moves, moves.round())  # whole pixels, at most 1
+        independent += len({tuple(m.tolist()) for m in moves}) > 1
+    assert independent > 20  # digits of one string move differently
+    held = DigitStrings("train", cfg, None, 8, train=False).make(64, torch.Generator().manual_seed(0))[0]
+    assert all(torch.equal(a, b) for a, b in zip(held, plain))  # held-out strings are never augmented
 
 
 def test_png_round_trip_and_dark_ink_on_white(tmp_path):

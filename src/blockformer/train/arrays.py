@@ -143,18 +143,23 @@ class ArrayHead(TaskHead):
 # ---------------------------------------------------------------------- image -> text
 class DigitStrings:
     """Images of digit strings from one split's digits, batched for an encoder-decoder:
-    ``src`` the images (B, 1, 8, W) right-padded, ``src_mask`` their real patches."""
+    ``src`` the images (B, 1, 8, W) right-padded, ``src_mask`` their real patches. Training
+    strings are augmented digit by digit (``augment_digits``: each digit is shifted, turned
+    and scaled within its own 8-pixel slot, as each character of handwriting varies)."""
 
     def __init__(self, split: str, cfg: RunConfig, tokenizer: Any, batch_size: int, train: bool) -> None:
         self.images, self.labels = load_digits_split(split)
         self.max_digits, self.patch_size = cfg.data.max_digits, cfg.model.patch_size
         self.tokenizer, self.batch_size = tokenizer, batch_size
-        self.shift = cfg.data.shift if train else 0
+        self.augment = augment_digits(cfg) if train else None
 
     def make(self, n: int, generator: torch.Generator) -> tuple[list[torch.Tensor], list[str]]:
         images, texts = digit_strings(self.images, self.labels, n, self.max_digits, generator)
-        if self.shift:
-            images = [shift(im[None], self.shift, generator)[0] for im in images]
+        if self.augment is not None:
+            S = DIGIT_SIZE
+            slots = torch.cat([im.reshape(1, S, -1, S).permute(2, 0, 1, 3) for im in images])  # (digits, 1, S, S)
+            slots = self.augment(slots, generator).split([im.shape[-1] // S for im in images])
+            images = [d.permute(1, 2, 0, 3).reshape(1, S, -1) for d in slots]  # back to (1, S, S * k)
         return images, texts
 
     def collate(self, images: list[torch.Tensor], texts: list[str]) -> Seq2SeqBatch:

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_inputs.py                                  # everything, seeds 0-2
     python benchmarks/bench_inputs.py --steps 50 --seeds 0 --parts digits   # smoke
+    python benchmarks/bench_inputs.py --parts digits --set data.rotate=0    # an ablation
 
 - ``digits``: the ``digits-vit`` preset, test accuracy on the fixed 360-image test split
   (mean and spread of the seeds), against scikit-learn's ``SVC()`` (RBF kernel) and
@@ -42,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=None, help="override every preset's train.steps")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every preset trained (repeatable), e.g. train.lr=1e-3")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "inputs")
     return p.parse_args()
 
@@ -50,6 +53,7 @@ def train_preset(preset: str, seed: int, args: argparse.Namespace, work: Path) -
     overrides = [f"train.seed={seed}", "train.progress=false", "train.precision=fp32"]  # as measured
     if args.steps is not None:
         overrides += [f"train.steps={args.steps}", f"train.eval_every={max(1, args.steps // 4)}"]
+    overrides += args.set
     cfg = load_run_config(preset=preset, overrides=overrides)
     t0 = time.perf_counter()
     result = train(cfg, work / f"{preset}-{seed}", log=lambda *a: None)

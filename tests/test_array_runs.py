@@ -3,17 +3,27 @@ short training runs of the three presets, `predict` on PNGs and held-out splits,
 class-token attention probe, and one-line errors for configs that do not fit the data."""
 
 import json
+import math
 
 import pytest
 import torch
 
 from blockformer.cli import main
-from blockformer.data.images import digit_strings, load_digits_split, pad_images, read_png, shift, write_png
+from blockformer.data.images import (
+    affine,
+    digit_strings,
+    load_digits_split,
+    pad_images,
+    read_png,
+    rotate_scale,
+    shift,
+    write_png,
+)
 from blockformer.errors import UsageError
 from blockformer.probes import attention
 from blockformer.run_config import load_run_config
 from blockformer.train import train
-from blockformer.train.arrays import check_dataset
+from blockformer.train.arrays import DigitStrings, check_dataset
 
 QUIET = dict(log=lambda *a: None)
 FAST = ["train.progress=false", "train.samples=0"]
@@ -43,6 +53,41 @@ def test_shift_moves_pixels_and_fills_with_background():
     assert torch.equal(shift(img, 0, torch.Generator()), img)
 
 
+def _centroids(images: torch.Tensor) -> torch.Tensor:
+    """(B, 2) ink-weighted (x, y) of each image, in pixels from the centre, y up."""
+    H, W = images.shape[-2:]
+    ys, xs = torch.meshgrid(torch.arange(H) - (H - 1) / 2, torch.arange(W) - (W - 1) / 2, indexing="ij")
+    w = images[:, 0]
+    mass = w.sum((1, 2))
+    return torch.stack([(w * xs).sum((1, 2)) / mass, -(w * ys).sum((1, 2)) / mass], -1)
+
+
+def test_rotate_scale_turns_a_quarter_as_rot90_and_scales_about_the_centre():
+    img = torch.rand(3, 1, 8, 8)
+    quarter = rotate_scale(img, torch.full((3,), math.pi / 2), torch.ones(3))
+    torch.testing.assert_close(quarter, torch.rot90(img, 1, (2, 3)), atol=1e-5, rtol=0)  # counter-clockwise
+    block = torch.zeros(1, 1, 8, 8)
+    block[0, 0, 2:4, 4:6] = 1.0  # centred at (x, y) = (1, 1) from the image centre
+    torch.testing.assert_close(_centroids(block), torch.tensor([[1.0, 1.0]]))
+    larger = rotate_scale(block, torch.zeros(1), torch.full((1,), 1.5))
+    torch.testing.assert_close(_centroids(larger), torch.tensor([[1.5, 1.5]]), atol=1e-4, rtol=0)
+    assert larger.sum().item() == pytest.approx(4 * 1.5**2, abs=0.01)  # the ink's area grows by 1.5^2
+
+
+def test_affine_draws_angles_and_scales_within_their_bounds():
+    block = torch.zeros(512, 1, 8, 8)
+    block[:, 0, 2:4, 4:6] = 1.0  # centroid at radius sqrt(2), angle 45 degrees
+    assert affine(block, 0.0, 0.0, torch.Generator()) is block
+    moved = affine(block, 10.0, 0.1, torch.Generator().manual_seed(0))
+    c = _centroids(moved)
+    angle = torch.rad2deg(torch.atan2(c[:, 1], c[:, 0])) - 45.0
+    radius = c.norm(dim=1) / math.sqrt(2)
+    assert angle.abs().max() <= 12.0 and angle.std() > 4.0  # uniform on [-10, 10] (std 5.8), + resampling error
+    assert radius.min() >= 0.86 and radius.max() <= 1.14 and radius.std() > 0.04  # uniform on [0.9, 1.1] (std 0.058)
+    rotated = affine(block, 10.0, 0.0, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_centroids(rotated).norm(dim=1), torch.full((512,), math.sqrt(2)), atol=0.03, rtol=0)
+
+
 def test_digit_strings_put_digits_side_by_side_with_their_text():
     images, labels = load_digits_split("val")
     out, texts = digit_strings(images, labels, 20, 3, torch.Generator().manual_seed(0))
@@ -52,6 +97,24 @@ def test_digit_strings_put_digits_side_by_side_with_their_text():
     batch, mask = pad_images(out, 2)
     assert batch.shape[-1] == 24 and mask.shape == (20, 4 * 12)
     assert [int(m.sum()) for m in mask] == [4 * 4 * len(t) for t in texts]
+
+
+def test_training_strings_are_shifted_digit_by_digit_within_their_slots():
+    cfg = load_run_config(preset="digits-to-text", overrides=["data.shift=1", "data.rotate=0", "data.zoom=0"])
+    strings = DigitStrings("train", cfg, None, 8, train=True)
+    images, texts = strings.make(64, torch.Generator().manual_seed(0))
+    plain, plain_texts = digit_strings(strings.images, strings.labels, 64, 4, torch.Generator().manual_seed(0))
+    assert texts == plain_texts and [im.shape for im in images] == [im.shape for im in plain]
+    independent = 0
+    for im, orig in zip(images, plain):
+        slots, before = (x.reshape(1, 8, -1, 8).permute(2, 0, 1, 3) for x in (im, orig))  # (k, 1, 8, 8)
+        torch.testing.assert_close(slots.sum((1, 2, 3)), before.sum((1, 2, 3)))  # each digit's ink stays in its slot
+        moves = (_centroids(slots) - _centroids(before)).round(decimals=4)
+        assert moves.abs().max() <= 1 and torch.equal(moves, moves.round())  # whole pixels, at most 1
+        independent += len({tuple(m.tolist()) for m in moves}) > 1
+    assert independent > 20  # digits of one string move differently
+    held = DigitStrings("train", cfg, None, 8, train=False).make(64, torch.Generator().manual_seed(0))[0]
+    assert all(torch.equal(a, b) for a, b in zip(held, plain))  # held-out strings are never augmented
 
 
 def test_png_round_trip_and_dark_ink_on_white(tmp_path):
@@ -70,11 +133,12 @@ def test_png_round_trip_and_dark_ink_on_white(tmp_path):
     (["model.image_width=16", "model.max_seq_len=40"], "model.image_width=16: data.dataset='digits' needs 8"),
     (["head.task=none"], "head.task='none'"),
     (["data.dataset=digitz"], "did you mean 'digits'"),
+    (["data.rotate=50"], r"data.rotate=50.0: expected degrees in \[0, 45\]"),
+    (["data.zoom=-0.1"], r"data.zoom=-0.1: expected a float in \[0, 1\)"),
 ])
 def test_configs_that_do_not_fit_the_data_set_fail_in_one_line(sets, match):
-    cfg = load_run_config(preset="digits-vit", overrides=[f"{s}" for s in sets])
     with pytest.raises(UsageError, match=match):
-        check_dataset(cfg)
+        check_dataset(load_run_config(preset="digits-vit", overrides=sets))
 
 
 def test_patches_without_a_data_set_are_refused(tmp_path):

@@ -41,6 +41,33 @@ def test_cross_entropy_with_class_weights_equals_the_hand_computation():
     assert head_loss("classify", logits, targets).item() == pytest.approx(-(logp[0][0] + logp[1][2]), rel=1e-6)
 
 
+def test_label_smoothing_of_a_classify_head_equals_the_hand_computation():
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]])
+    targets = torch.tensor([0, 2])
+    logp = [[l - math.log(sum(math.exp(v) for v in row)) for l in row] for row in logits.tolist()]
+    eps, K = 0.1, 3  # the target gets 1 - eps + eps / K, every class eps / K
+    by_hand = sum(-(1 - eps) * logp[i][t] - eps / K * sum(logp[i]) for i, t in enumerate(targets.tolist()))
+    assert head_loss("classify", logits, targets, label_smoothing=eps).item() == pytest.approx(by_hand, rel=1e-6)
+
+
+def test_a_task_head_trains_with_the_runs_label_smoothing():
+    from blockformer.train.classify import TaskHead
+
+    class Batch:  # what TaskHead.loss reads
+        tokens, mask, targets = torch.zeros(2, 1), None, torch.tensor([0, 2])
+
+    class Data:
+        task = "classify"
+
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]])
+    objective = TaskHead(Data(), Data(), 2, 0, torch.device("cpu"))
+    model = lambda tokens, attention_mask=None: logits  # noqa: E731
+    for eps in (0.0, 0.2):
+        expected = head_loss("classify", logits, Batch.targets, label_smoothing=eps)
+        assert objective.loss(model, Batch(), eps).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert objective.loss(model, Batch(), 0.2).item() > objective.loss(model, Batch(), 0.0).item() + 0.1
+
+
 def test_multilabel_bce_equals_the_hand_computation():
     logits = torch.tensor([[1.0, -2.0], [0.0, 3.0]])
     targets = torch.tensor([[1.0, 0.0], [1.0, 1.0]])

@@ -67,11 +67,17 @@ class DataConfig:
     dataset: str = ""  # digits | digit-strings (scikit-learn) | japanese-vowels (sktime); see train/arrays.py
     shift: int = 0  # images: training images moved by up to this many pixels each way
     max_digits: int = 4  # digit-strings: 1..max_digits digits side by side per image
+    rotate: float = 0.0  # images: training images rotated by up to this many degrees each way
+    zoom: float = 0.0  # images: training images scaled by a factor in [1 - zoom, 1 + zoom]
 
     def __post_init__(self) -> None:
         check_types(self)
         if self.shift < 0:
             raise UsageError(f"data.shift={self.shift!r}: expected an integer >= 0 (0 = no shifts)")
+        if not 0.0 <= self.rotate <= 45.0:
+            raise UsageError(f"data.rotate={self.rotate!r}: expected degrees in [0, 45] (0 = no rotation)")
+        if not 0.0 <= self.zoom < 1.0:
+            raise UsageError(f"data.zoom={self.zoom!r}: expected a float in [0, 1) (0 = no scaling)")
         _positive(self, "max_digits")
         _positive(self, "task_min_len", "task_max_len", "task_digits", "heldout", "vocab_size", "seq_len")
         if not 0.0 <= self.val_fraction < 1.0:

@@ -7,8 +7,10 @@ stratified, ``random_state=0``), then 10% of the rest for validation (what the t
 evaluates and keeps its best checkpoint by), leaving 1,293 for training.
 
 Augmentation that suits 8x8 digits: shifts of up to a pixel or two (``shift``) into the
-empty border, so no stroke is cut; flips and rotations would turn a 6 into a 9 or a 2 into
-a mirror glyph.
+empty border, so no stroke is cut; small rotations and changes of scale (``affine``: a few
+degrees, a few percent, as handwriting varies; the elastic/affine distortions of Simard et
+al. 2003); never flips or large rotations, which would turn a 6 into a 9 or a 2 into a
+mirror glyph.
 
 ``digit_strings`` puts 1..k digits of a split side by side (8 x 8k pixels, the image as
 wide as its string), the task an encoder reading patches and a decoder writing the digit
@@ -18,10 +20,12 @@ string learn together.
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..errors import UsageError
 
@@ -77,6 +81,26 @@ def shift(images: torch.Tensor, max_shift: int, generator: torch.Generator) -> t
         dx = lo_x + int(u[b][1] * (hi_x - lo_x + 1))
         out[b] = torch.roll(images[b], shifts=(dy, dx), dims=(1, 2))  # only background wraps around
     return out
+
+
+def affine(images: torch.Tensor, degrees: float, zoom: float, generator: torch.Generator) -> torch.Tensor:
+    """Each image rotated about its centre by a random angle in [-``degrees``, ``degrees``]
+    and scaled by a random factor in [1 - ``zoom``, 1 + ``zoom``] (``rotate_scale``)."""
+    if degrees <= 0 and zoom <= 0:
+        return images
+    u = torch.rand(images.shape[0], 2, generator=generator) * 2 - 1  # uniform in [-1, 1)
+    return rotate_scale(images, u[:, 0] * math.radians(degrees), 1 + u[:, 1] * zoom)
+
+
+def rotate_scale(images: torch.Tensor, angles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) images rotated counter-clockwise by ``angles`` (B,) radians about their
+    centre and scaled by ``scales`` (B,), resampled bilinearly; what comes in from outside
+    the frame is background (0)."""
+    cos, sin = torch.cos(angles) / scales, torch.sin(angles) / scales  # output -> input coordinates
+    zero = torch.zeros_like(cos)
+    theta = torch.stack([torch.stack([cos, -sin, zero], -1), torch.stack([sin, cos, zero], -1)], 1)  # (B, 2, 3)
+    grid = F.affine_grid(theta.to(images.dtype), list(images.shape), align_corners=False)
+    return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
 
 # ---------------------------------------------------------------------- strings of digits

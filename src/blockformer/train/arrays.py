@@ -25,7 +25,7 @@ from torch import nn
 
 from ..schema import suggest
 from ..data.frames import load_vowels_split, pad_frames
-from ..data.images import DIGIT_SIZE, digit_strings, load_digits_split, pad_images, shift
+from ..data.images import DIGIT_SIZE, affine, digit_strings, load_digits_split, pad_images, shift
 from ..data.labelled import LabelledBatch
 from ..data.seq2seq import Seq2SeqBatch, collate_pairs
 from ..errors import UsageError
@@ -109,16 +109,25 @@ class ArrayData:
             yield self.batch(list(range(i, min(i + batch_size, len(self)))))
 
 
+def augment_digits(cfg: RunConfig) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None:
+    """The training augmentation ``[data]`` asks for: rotation and scaling (``rotate``,
+    ``zoom``), then a shift of up to ``shift`` pixels into the empty border; None if none."""
+    d = cfg.data
+    if d.shift == 0 and d.rotate == 0 and d.zoom == 0:
+        return None
+    return lambda x, g: shift(affine(x, d.rotate, d.zoom, g), d.shift, g)
+
+
 def array_data(cfg: RunConfig, split: str, train: bool = False) -> ArrayData:
     """``split`` (train, val or test) of ``data.dataset`` as ``ArrayData``; training images
-    are shifted by up to ``data.shift`` pixels."""
+    are augmented as ``augment_digits`` says."""
     names = dataset_labels(cfg)
     if cfg.data.dataset == "japanese-vowels":
         series, labels = load_vowels_split(split)
         return ArrayData(series, labels, names, pad_frames)
     images, labels = load_digits_split(split)
-    P, s = cfg.model.patch_size, cfg.data.shift
-    augment = (lambda x, g: shift(x, s, g)) if train and s > 0 else None
+    P = cfg.model.patch_size
+    augment = augment_digits(cfg) if train else None
     return ArrayData(list(images), labels, names, lambda ims: pad_images(ims, P), augment)
 
 
@@ -134,18 +143,23 @@ class ArrayHead(TaskHead):
 # ---------------------------------------------------------------------- image -> text
 class DigitStrings:
     """Images of digit strings from one split's digits, batched for an encoder-decoder:
-    ``src`` the images (B, 1, 8, W) right-padded, ``src_mask`` their real patches."""
+    ``src`` the images (B, 1, 8, W) right-padded, ``src_mask`` their real patches. Training
+    strings are augmented digit by digit (``augment_digits``: each digit is shifted, turned
+    and scaled within its own 8-pixel slot, as each character of handwriting varies)."""
 
     def __init__(self, split: str, cfg: RunConfig, tokenizer: Any, batch_size: int, train: bool) -> None:
         self.images, self.labels = load_digits_split(split)
         self.max_digits, self.patch_size = cfg.data.max_digits, cfg.model.patch_size
         self.tokenizer, self.batch_size = tokenizer, batch_size
-        self.shift = cfg.data.shift if train else 0
+        self.augment = augment_digits(cfg) if train else None
 
     def make(self, n: int, generator: torch.Generator) -> tuple[list[torch.Tensor], list[str]]:
         images, texts = digit_strings(self.images, self.labels, n, self.max_digits, generator)
-        if self.shift:
-            images = [shift(im[None], self.shift, generator)[0] for im in images]
+        if self.augment is not None:
+            S = DIGIT_SIZE
+            slots = torch.cat([im.reshape(1, S, -1, S).permute(2, 0, 1, 3) for im in images])  # (digits, 1, S, S)
+            slots = self.augment(slots, generator).split([im.shape[-1] // S for im in images])
+            images = [d.permute(1, 2, 0, 3).reshape(1, S, -1) for d in slots]  # back to (1, S, S * k)
         return images, texts
 
     def collate(self, images: list[torch.Tensor], texts: list[str]) -> Seq2SeqBatch:
@@ -215,5 +229,6 @@ def build_array_objective(cfg: RunConfig, tokenizer: Any, device: torch.device, 
         return ImageToText(train, val, cfg.data.heldout, device, seed=tc.seed)
     train, val = array_data(cfg, "train", train=True), array_data(cfg, "val")
     log(f"data: {cfg.data.dataset}, {len(train):,} training examples, {len(val):,} held out for validation, "
-        f"{len(train.names)} classes" + (f"; shifts up to {cfg.data.shift} px" if train.augment else ""))
+        f"{len(train.names)} classes" + (f"; shifts up to {cfg.data.shift} px, rotations up to {cfg.data.rotate} deg, "
+                                          f"scale +-{cfg.data.zoom}" if train.augment else ""))
     return ArrayHead(train, val, tc.batch_size, tc.seed, device)

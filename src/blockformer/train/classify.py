@@ -29,17 +29,19 @@ from .objective import Objective
 
 
 def head_loss(task: str, output: torch.Tensor, targets: torch.Tensor,
-              weights: torch.Tensor | None = None) -> torch.Tensor:
-    """The summed loss of a head's ``output`` against ``targets`` (see the module docstring)."""
+              weights: torch.Tensor | None = None, label_smoothing: float = 0.0) -> torch.Tensor:
+    """The summed loss of a head's ``output`` against ``targets`` (see the module docstring);
+    ``label_smoothing`` (Szegedy et al. 2016) applies to the cross-entropies of ``classify``
+    and ``tokens``."""
     output = output.float()  # a bf16 log-softmax loses the small differences training needs
     w = None if weights is None else weights.to(output.device)
     if task == "classify":
-        return F.cross_entropy(output, targets, weight=w, reduction="sum")
+        return F.cross_entropy(output, targets, weight=w, reduction="sum", label_smoothing=label_smoothing)
     if task == "multilabel":
         return F.binary_cross_entropy_with_logits(output, targets, weight=w, reduction="sum")
     if task == "tokens":
         return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1), weight=w,
-                               ignore_index=IGNORE, reduction="sum")
+                               ignore_index=IGNORE, reduction="sum", label_smoothing=label_smoothing)
     if task == "regress":
         return ((output.squeeze(-1) - targets) ** 2).sum()
     raise ValueError(f"head.task={task!r}: expected classify, multilabel, tokens or regress")
@@ -98,7 +100,8 @@ class TaskHead(Objective):
         return self.train.batch(rows).to(self.device, non_blocking=True)
 
     def loss(self, model: nn.Module, batch: LabelledBatch, label_smoothing: float = 0.0) -> torch.Tensor:
-        return head_loss(self.task, model(batch.tokens, attention_mask=batch.mask), batch.targets, self.weights)
+        out = model(batch.tokens, attention_mask=batch.mask)
+        return head_loss(self.task, out, batch.targets, self.weights, label_smoothing)
 
     def count_targets(self, batch: LabelledBatch) -> int:
         return count_head_targets(self.task, batch.targets, batch.n_labelled)

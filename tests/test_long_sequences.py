@@ -73,3 +73,27 @@ def test_cpu_attention_kernel_follows_the_measured_choice(dtype, keys, grad, fus
     assert any("flash_attention" in n for n in ops.names) is fused, sorted(ops.names)
     reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     assert (out.float() - reference).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("keys", [24, 256])
+def test_masked_bf16_training_attention_equals_the_reference(keys):
+    """A padding + causal boolean mask (as sequence-to-sequence batches build it) hides the
+    same keys on the unfused path as on torch's own: forward and gradients within bf16."""
+    from blockformer.nn.attention import _sdpa  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    lengths = torch.tensor([keys, keys - 5, 3])
+    real = torch.arange(keys)[None, :] < lengths[:, None]  # (B, S) padding
+    causal = torch.ones(keys, keys, dtype=torch.bool).tril()
+    mask = (real[:, None, None, :] & causal[None, None]) | ~real[:, None, :, None]  # padded queries see all
+    q, k, v = (torch.randn(3, 4, keys, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = _sdpa(q, k, v, mask, False, 0.0)
+    (out.float() * real[:, None, :, None]).square().sum().backward()
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask)
+    (ref * real[:, None, :, None]).square().sum().backward()
+    assert (out.float() - ref).abs().max().item() < 3e-2
+    for a, b in ((q, q32), (k, k32), (v, v32)):
+        assert (a.grad.float() - b.grad).abs().max().item() < 0.15 * b.grad.abs().max().item()
+    leaked = _sdpa(q, k, v, torch.ones_like(mask), False, 0.0)  # the mask must matter
+    assert ((leaked.float() - ref) * real[:, None, :, None]).abs().max().item() > 0.1

@@ -103,6 +103,8 @@ def _sdpa(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None = 
         kwargs["scale"] = scale
     if (q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_grad_enabled()
             and k.shape[-2] <= CPU_BF16_UNFUSED_MAX_KEYS):
+        if mask is not None and mask.dtype == torch.bool:  # the kernel adds its mask: True = attend -> 0
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
         return torch.ops.aten._scaled_dot_product_attention_math(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, **kwargs)[0]
     return F.scaled_dot_product_attention(

@@ -242,7 +242,8 @@ class ParallelConfig:
 
     dp_shard: int = -1  # FSDP2 (fully_shard) degree; -1 = world size / (dp_replicate * tp * pp)
     dp_replicate: int = 1  # DDP replicas (HSDP when dp_shard > 1 too)
-    tp: int = 1  # tensor parallel degree (Megatron-style column/row split of each matmul)
+    tp: int = 1  # tensor parallel degree (Megatron-style column/row split of each matmul;
+    # with it, norms on sequence shards and the training loss on vocabulary shards)
     pp: int = 1  # pipeline stages (decoder only)
     pp_schedule: PipelineSchedule = "1f1b"
     pp_microbatches: int = 0  # micro-batches per step in the pipeline; 0 = 2 * pp

@@ -3,11 +3,13 @@
 The model code (``nn/``, ``models/``) is single-device; this package wraps a finished
 model for a ``torchrun`` job, in torchtitan's order: tensor parallel (``tensor``),
 activation checkpointing (``activation``), compile, then FSDP2 or DDP (``fsdp``);
-pipeline stages split the decoder first (``pipeline``). ``data`` gives each rank its
-slice of the global batch, ``checkpoint`` writes and reads sharded checkpoints, and
+pipeline stages split the decoder first (``pipeline``). Under TP, ``sequence`` shards
+the norms between sublayers on the sequence dim and ``loss`` keeps the logits split by
+vocabulary in the training loss. ``data`` gives each rank its slice of the global batch, ``checkpoint`` writes and reads sharded checkpoints, and
 ``plan`` sizes a run on paper.
 """
 
+from .loss import loss_context
 from .runtime import Parallel, loss_total, on_main, parallelize, start
 
-__all__ = ["Parallel", "loss_total", "on_main", "parallelize", "start"]
+__all__ = ["Parallel", "loss_context", "loss_total", "on_main", "parallelize", "start"]

@@ -3,9 +3,11 @@
 Per block: the fused QKV and the FFN's up (and gate) projections are split by output rows
 (``ColwiseParallel``), so each rank computes whole heads and a slice of the hidden units
 with no communication; the attention and FFN output projections are split by input
-columns (``RowwiseParallel``) and their partial sums are all-reduced. Two all-reduces per
-sublayer forward, two backward. The embedding table is split by vocabulary rows and the
-head by vocabulary columns, its logits gathered.
+columns (``RowwiseParallel``) and their partial sums are reduce-scattered over the
+sequence: between sublayers the norms and residual sums run on sequence shards
+(``sequence.py``). One all-gather and one reduce-scatter per sublayer forward, the same
+backward. The embedding table is split by vocabulary rows and the head by vocabulary
+columns; its logits stay split in the training loss (``loss.py``) and are gathered elsewhere.
 
 A fused weight ``[q; k; v]`` split into ``tp`` contiguous slices would hand a rank the
 queries of some heads and the keys of others. Its rows are first reordered to
@@ -30,6 +32,8 @@ from ..config import TransformerConfig
 from ..errors import UsageError
 from ..nn.attention import Attention
 from ..nn.feedforward import FeedForward
+from .loss import shard_head
+from .sequence import SEQUENCE, apply_sequence_parallel, regions
 
 
 @dataclass
@@ -115,20 +119,26 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, tp: int) -> RowOrder:
         for name, param in model.named_parameters():
             if name in rows.orders:
                 param.copy_(rows.to_sharded(name, param.detach().clone()))
+    block_ffns = {id(block.ffn) for blocks, _ in regions(model) for block in blocks}
     for module in list(model.modules()):
         if isinstance(module, Attention):
-            plan = {"out": RowwiseParallel()}
+            # the input comes whole (gathered by sequence.py, which the attention's reshapes need)
+            plan = {"out": RowwiseParallel(output_layouts=SEQUENCE, use_local_output=False)}
             plan.update({"q": ColwiseParallel(), "kv": ColwiseParallel()} if module.cross else {"qkv": ColwiseParallel()})
             parallelize_module(module, mesh, plan)
             module.n_heads, module.n_kv_heads = module.n_heads // tp, module.n_kv_heads // tp  # local heads
-        elif isinstance(module, FeedForward):
+        elif isinstance(module, FeedForward) and id(module) in block_ffns:
+            parallelize_module(module, mesh, {"up": ColwiseParallel(input_layouts=SEQUENCE),
+                                              "down": RowwiseParallel(output_layouts=SEQUENCE, use_local_output=False)})
+        elif isinstance(module, FeedForward):  # an MoE's shared expert: it reads and writes whole sequences
             parallelize_module(module, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    apply_sequence_parallel(model, mesh)
     _shard_vocabulary(model, mesh)
     return rows
 
 
 def _shard_vocabulary(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Embedding tables split by vocabulary rows, the head by vocabulary columns (logits gathered)."""
+    """Embedding tables split by vocabulary rows, the head by vocabulary columns."""
     done: set[int] = set()
     for name in ("embed", "tgt_embed", "src_embed"):
         embedding = getattr(model, name, None)
@@ -138,7 +148,7 @@ def _shard_vocabulary(model: nn.Module, mesh: DeviceMesh) -> None:
         parallelize_module(embedding.tokens, mesh, RowwiseParallel(input_layouts=Replicate()))
     if getattr(model, "head", None) is None:  # a pipeline stage without the head
         return
-    parallelize_module(model.head, mesh, ColwiseParallel(output_layouts=Replicate()))
+    shard_head(model.head, mesh)  # its logits gathered, but inside the training loss (loss.py)
     if model.cfg.tie_embeddings:  # the head reads the (now sharded) embedding table: re-point it at the same parameter
         table = (getattr(model, "embed", None) or model.tgt_embed).tokens
         model.head.weight = table.weight

@@ -323,12 +323,13 @@ def train_step(
             # The run's own tokenizer made these ids (< vocab_size by construction): the models'
             # value checks would read them on the host, a device sync per micro-batch.
             local = batch if par is None else par.local_batch(batch)
-            with autocast(tc.precision, device), trusted_inputs():
-                loss_sum = (loss_fn or objective.loss)(model, local, tc.label_smoothing)
-            aux = auxiliary_loss(model)  # what modules (MoE routers) recorded in this forward, or None
-            objective_sum = loss_sum if aux is None else loss_sum + aux * objective.count_targets(local)
-            share = objective_sum / n_targets if par is None else objective_sum * par.grad_scale / n_targets
-            scaler.scale(share).backward()
+            with parallel.loss_context(par, tc.label_smoothing):  # TP: logits stay split by vocabulary
+                with autocast(tc.precision, device), trusted_inputs():
+                    loss_sum = (loss_fn or objective.loss)(model, local, tc.label_smoothing)
+                aux = auxiliary_loss(model)  # what modules (MoE routers) recorded in this forward, or None
+                objective_sum = loss_sum if aux is None else loss_sum + aux * objective.count_targets(local)
+                share = objective_sum / n_targets if par is None else objective_sum * par.grad_scale / n_targets
+                scaler.scale(share).backward()
             total += loss_sum.detach()
         total = parallel.loss_total(par, total)
     on_device = (check_finite and par is None and not scaler.is_enabled()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 PAD = 0
 
@@ -19,13 +20,15 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: flo
     Computed in float32 whatever the autocast dtype: a bf16 log-softmax over a large
     vocabulary loses the small differences training depends on.
     """
-    return F.cross_entropy(
+    loss = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(),
         targets.reshape(-1),
         ignore_index=PAD,
         label_smoothing=label_smoothing,
         reduction="sum",
     )
+    # Vocabulary-parallel logits (parallel/loss.py) give every rank the whole sum, as a DTensor.
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def count_targets(targets: torch.Tensor) -> int:

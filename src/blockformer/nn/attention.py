@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import TransformerConfig
+from ..hardware import cpu_has
 from .kv_cache import KVCache
 from .position import apply_rope
 
@@ -82,13 +83,15 @@ class Attention(nn.Module):
         return k, v
 
 
-# On a CPU the fused kernel's bf16 backward is slower than plain matmuls over short keys:
-# forward + backward of one layer took 3.5 ms fused against 1.4 ms unfused at nanoGPT's CPU
-# shape (B 12, 4 heads, T 64, head_dim 32), 7.2 against 4.6 ms at T 128, the same at T 256,
-# and the fused kernel wins 2-3.5x from T 512 (in fp32 it wins at every length). Training in
-# bf16 on a CPU therefore takes the unfused kernel up to this many keys (the T x T scores
-# are small there).
+# On a CPU with AVX512-BF16 and no AMX, the fused kernel's bf16 backward is slower than
+# plain matmuls over short keys: forward + backward of one layer took 3.5 ms fused against
+# 1.4 ms unfused at nanoGPT's CPU shape (B 12, 4 heads, T 64, head_dim 32), 7.2 against 4.6
+# ms at T 128, the same at T 256, and the fused kernel wins 2-3.5x from T 512 (in fp32 it
+# wins at every length). Training in bf16 on such a CPU therefore takes the unfused kernel
+# up to this many keys (the T x T scores are small there). Other CPUs (AMX; bf16 emulated
+# without AVX512-BF16) were not measured and keep torch's choice.
 CPU_BF16_UNFUSED_MAX_KEYS = 128
+UNFUSED_SHORT_BF16 = cpu_has("_is_avx512_bf16_supported") and not cpu_has("_is_amx_tile_supported")
 
 
 def _sdpa(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None = None) -> torch.Tensor:
@@ -102,7 +105,7 @@ def _sdpa(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None = 
     if scale is not None:
         kwargs["scale"] = scale
     if (q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_grad_enabled()
-            and k.shape[-2] <= CPU_BF16_UNFUSED_MAX_KEYS):
+            and k.shape[-2] <= CPU_BF16_UNFUSED_MAX_KEYS and UNFUSED_SHORT_BF16):
         if mask is not None and mask.dtype == torch.bool:  # the kernel adds its mask: True = attend -> 0
             mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
         return torch.ops.aten._scaled_dot_product_attention_math(

@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from ..errors import UsageError
+from ..hardware import cpu_has
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -37,19 +38,14 @@ def native_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
-        return _cpu_has("_is_amx_tile_supported") or _cpu_has("_is_avx512_bf16_supported")
+        return cpu_has("_is_amx_tile_supported") or cpu_has("_is_avx512_bf16_supported")
     return False
-
-
-def _cpu_has(probe: str) -> bool:
-    fn = getattr(torch.cpu, probe, None)  # private probes: absent in some torch builds
-    return bool(fn()) if fn is not None else False
 
 
 def cpu_features() -> str:
     """What this CPU offers, for logs and benchmark tables: e.g. ``AVX512, AVX512-BF16``."""
     names = [torch.backends.cpu.get_cpu_capability()]
-    names += [n for n, p in (("AVX512-BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported")) if _cpu_has(p)]
+    names += [n for n, p in (("AVX512-BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported")) if cpu_has(p)]
     return ", ".join(names)
 
 

@@ -78,18 +78,24 @@ def summary(values: list[float]) -> dict:
             "std": statistics.stdev(values) if len(values) > 1 else 0.0, "values": values}
 
 
+def seed_runs(preset: str, seeds, args, work) -> list[dict]:
+    """``preset`` trained once per seed, each scored on its test split."""
+    runs = []
+    for seed in seeds:
+        ckpt, info = train_preset(preset, seed, args, work)
+        info["test_accuracy"] = head_accuracy(ckpt, "test")
+        runs.append(info)
+        print(json.dumps({preset: info}), flush=True)
+    return runs
+
+
 def digits(args, seeds, work) -> dict:
     from sklearn.linear_model import LogisticRegression
     from sklearn.svm import SVC
 
     from blockformer.data.images import load_digits_split
 
-    runs = []
-    for seed in seeds:
-        ckpt, info = train_preset("digits-vit", seed, args, work)
-        info["test_accuracy"] = head_accuracy(ckpt, "test")
-        runs.append(info)
-        print(json.dumps({"digits-vit": info}), flush=True)
+    runs = seed_runs("digits-vit", seeds, args, work)
     (xtr, ytr), (xte, yte) = load_digits_split("train"), load_digits_split("test")
     xtr, xte = xtr.flatten(1).numpy(), xte.flatten(1).numpy()
     baselines = {}
@@ -122,12 +128,7 @@ def dtw_distances(query: np.ndarray, refs: list[np.ndarray]) -> np.ndarray:
 def vowels(args, seeds, work) -> dict:
     from blockformer.data.frames import load_vowels_split
 
-    runs = []
-    for seed in seeds:
-        ckpt, info = train_preset("vowels-frames", seed, args, work)
-        info["test_accuracy"] = head_accuracy(ckpt, "test")
-        runs.append(info)
-        print(json.dumps({"vowels-frames": info}), flush=True)
+    runs = seed_runs("vowels-frames", seeds, args, work)
     (xtr, ytr), (xte, yte) = load_vowels_split("train"), load_vowels_split("test")
     refs = [x.numpy().astype(np.float64) for x in xtr]
     t0 = time.perf_counter()

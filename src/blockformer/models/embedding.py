@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..config import ADDITIVE_POSITIONS, TransformerConfig
+from ..nn.dropout import Dropout
 from ..nn.norm import build_norm
 from ..nn.position import AbsolutePosition
 
@@ -21,7 +22,7 @@ class Embedding(nn.Module):
         # BERT's segment table: every position is segment 0 (single-sequence input).
         self.token_types = nn.Embedding(cfg.n_token_types, cfg.d_model) if cfg.n_token_types else None
         self.norm = build_norm(cfg) if cfg.embedding_norm else None  # BERT, BART
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.tokens(tokens)  # (B, T, d_model)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..nn.dropout import Dropout
+
 POOLINGS = ("cls", "mean", "last")
 
 
@@ -45,7 +47,7 @@ class SequenceHead(nn.Module):
         if pooling not in POOLINGS:
             raise ValueError(f"pooling={pooling!r}: expected one of {POOLINGS}")
         self.pooling = pooling
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.proj = nn.Linear(d_model, n_outputs)
         nn.init.normal_(self.proj.weight, 0.0, 0.02)
         nn.init.zeros_(self.proj.bias)
@@ -60,7 +62,7 @@ class TokenHead(nn.Module):
 
     def __init__(self, d_model: int, n_outputs: int, dropout: float = 0.0) -> None:
         super().__init__()
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.proj = nn.Linear(d_model, n_outputs)
         nn.init.normal_(self.proj.weight, 0.0, 0.02)
         nn.init.zeros_(self.proj.bias)

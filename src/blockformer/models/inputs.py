@@ -34,6 +34,7 @@ from torch import nn
 
 from ..config import ADDITIVE_POSITIONS, TransformerConfig
 from ..errors import UsageError
+from ..nn.dropout import Dropout
 from ..nn.position import AbsolutePosition
 from ..nn.position2d import Position2d
 
@@ -55,7 +56,7 @@ class InputAdapter(nn.Module):
         super().__init__()
         self.d_model = cfg.d_model
         self.cls = nn.Parameter(torch.randn(1, 1, cfg.d_model) * cfg.init_std) if cfg.cls_token else None
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.position_1d: nn.Module | None = None  # frames: an additive 1-D table
 
     def n_items(self, inputs: torch.Tensor) -> int:

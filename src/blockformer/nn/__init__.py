@@ -1,5 +1,6 @@
 """Building blocks, in the order data flows through them."""
 
+from .dropout import Dropout  # noqa: F401
 from .position import AbsolutePosition, AlibiBias, RelativeBias, Rotary, apply_rope  # noqa: F401
 from .attention import Attention, AttnInputs  # noqa: F401
 from .feedforward import FeedForward  # noqa: F401

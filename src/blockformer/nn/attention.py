@@ -18,6 +18,7 @@ from torch import nn
 
 from ..config import TransformerConfig
 from ..hardware import cpu_has
+from .dropout import dropout as apply_dropout
 from .kv_cache import KVCache
 from .position import apply_rope
 
@@ -101,15 +102,30 @@ def _sdpa(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None = 
     if groups > 1 and not _SDPA_HAS_GQA:  # pragma: no cover - torch < 2.5
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         groups = 1
+    # On a CPU, attention dropout always leaves the fused kernel for torch's unfused one,
+    # which draws its mask with ``bernoulli_``; the same computation is written out below
+    # with the cheaper mask of ``nn.dropout``.
+    if q.device.type == "cpu" and torch.is_grad_enabled() and (dropout > 0 or (
+            q.dtype == torch.bfloat16 and k.shape[-2] <= CPU_BF16_UNFUSED_MAX_KEYS and UNFUSED_SHORT_BF16)):
+        return _unfused(q, k, v, mask, is_causal, dropout, scale, groups)
     kwargs = {"enable_gqa": True} if groups > 1 else {}
     if scale is not None:
         kwargs["scale"] = scale
-    if (q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_grad_enabled()
-            and k.shape[-2] <= CPU_BF16_UNFUSED_MAX_KEYS and UNFUSED_SHORT_BF16):
-        if mask is not None and mask.dtype == torch.bool:  # the kernel adds its mask: True = attend -> 0
-            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-        return torch.ops.aten._scaled_dot_product_attention_math(
-            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, **kwargs)[0]
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, **kwargs
     )
+
+
+def _unfused(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None, groups: int) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v with the T x S scores materialised, as torch's math
+    kernel computes it (a fully masked row gives zeros, not NaN)."""
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (B, H, T, S)
+    if is_causal:
+        T, S = scores.shape[-2:]
+        scores = scores.masked_fill(~torch.ones(T, S, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = apply_dropout(torch.ops.aten._safe_softmax(scores, -1), dropout)
+    return weights @ v

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..config import TransformerConfig
 from .attention import Attention, AttnInputs
+from .dropout import Dropout
 from .feedforward import FeedForward
 from .moe import MoEFeedForward
 from .norm import build_norm
@@ -55,7 +56,7 @@ class Block(nn.Module):
         self.ffn = MoEFeedForward(cfg) if cfg.ffn_experts else FeedForward(cfg)
         self.ffn_norm = build_norm(cfg)
         self.ffn_residual = Residual(cfg, n_layers)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(
         self, x: torch.Tensor, ctx: AttnInputs | None = None, cross_ctx: AttnInputs | None = None

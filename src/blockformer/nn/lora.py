@@ -26,6 +26,7 @@ from torch import nn
 
 from ..run_config import LoraConfig
 from .attention import Attention
+from .dropout import Dropout
 from .feedforward import FeedForward
 
 LORA_MARK = "lora_"  # every adapter tensor's name contains it
@@ -41,7 +42,7 @@ class LoRALinear(nn.Linear):
         self.weight, self.bias = base.weight, base.bias  # the same Parameters: the base stays shared
         self.rank, self.parts = rank, dict(parts)
         self.scale = alpha / math.sqrt(rank) if rslora else alpha / rank
-        self.lora_dropout = nn.Dropout(dropout)
+        self.lora_dropout = Dropout(dropout)
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
         for name, (start, stop) in self.parts.items():

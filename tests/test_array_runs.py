@@ -141,8 +141,18 @@ def test_configs_that_do_not_fit_the_data_set_fail_in_one_line(sets, match):
         check_dataset(load_run_config(preset="digits-vit", overrides=sets))
 
 
+@pytest.mark.parametrize("name", ["shift=1", "rotate=5", "zoom=0.1"])
+def test_image_augmentation_is_refused_where_there_are_no_images(name):
+    """Signals (japanese-vowels) and text runs would silently ignore it."""
+    with pytest.raises(UsageError, match=rf"data.{name.split('=')[0]}=.*data.dataset='japanese-vowels' is read as frames"):
+        check_dataset(load_run_config(preset="vowels-frames", overrides=[f"data.{name}"]))
+    with pytest.raises(UsageError, match=rf"data.{name.split('=')[0]}=.*expected 0 without one"):
+        load_run_config(preset="char-lm-tiny", overrides=[f"data.{name}"])
+
+
 def test_patches_without_a_data_set_are_refused(tmp_path):
-    cfg = load_run_config(preset="digits-vit", overrides=["data.dataset=", "head.task=none"])
+    cfg = load_run_config(preset="digits-vit", overrides=["data.dataset=", "head.task=none", "data.shift=0",
+                                                         "data.rotate=0", "data.zoom=0"])
     with pytest.raises(UsageError, match="model.input='patches': reads images or signals"):
         train(cfg, tmp_path / "r", **QUIET)
 

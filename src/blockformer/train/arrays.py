@@ -59,6 +59,11 @@ def check_dataset(cfg: RunConfig) -> None:
             if getattr(model, name) != want:
                 raise UsageError(f"model.{name}={getattr(model, name)}: data.dataset={data.dataset!r} "
                                  f"needs {want}")
+    if needs != "patches":
+        for name in ("shift", "rotate", "zoom"):
+            if getattr(data, name):
+                raise UsageError(f"data.{name}={getattr(data, name)!r}: augments images; data.dataset="
+                                 f"{data.dataset!r} is read as {needs}; expected 0")
     if needs == "frames" and model.frame_dim != 12:
         raise UsageError(f"model.frame_dim={model.frame_dim}: japanese-vowels frames have 12 coefficients; expected 12")
     if learns == "classify" and head.task != "classify":

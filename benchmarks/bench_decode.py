@@ -132,6 +132,22 @@ def main() -> None:
         run(n if "compiled" in name else min(n, 8))  # warm-up (the compiled step's shapes depend on n)
         results[f"blockformer {name}"] = B * n / timed(run, device, args.repeats)
 
+    if "floor" not in args.skip:
+        weights = matmul_weights(float_model)
+        inputs = {w.shape[1]: torch.randn(B, w.shape[1], device=device, dtype=dtype) for w in weights}
+
+        def run_floor() -> None:  # the step's matmuls alone, once per new token
+            with torch.inference_mode():
+                for _ in range(n):
+                    for w in weights:
+                        torch.mm(inputs[w.shape[1]], w.t())
+
+        run_floor()
+        name = "floor: each matmul weight read once per token, nothing else"
+        results[name] = B * n / timed(run_floor, device, args.repeats)
+        notes[name] = (f"{sum(w.numel() * w.element_size() for w in weights) / 1e6:.0f} MB of weights per token: "
+                       "a bound for any decoder that reads every weight per token")
+
     if "speculative" not in args.skip:
         target = float_model
         draft = draft if draft is not None else draft_from(target, args.draft_layers)
@@ -176,6 +192,12 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("\n".join(lines) + "\n")
+
+
+def matmul_weights(model) -> list[torch.Tensor]:
+    """The weights a decode step multiplies by: every ``nn.Linear`` (the blocks and the
+    output head; the token embedding is a lookup)."""
+    return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
 def build_model_for(cfg, device, dtype):

@@ -108,6 +108,30 @@ def test_decoder_cache_gives_the_full_forward_logits(position, n_kv_heads):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("position", ["rope", "alibi", "relative"])
+def test_eager_cpu_decoding_reads_only_the_written_slots(monkeypatch, position):
+    """A 64-slot cache holding 11 tokens: attention reads slots [0, t] at step t, and the
+    logits equal those of attending over all 64 slots with the unwritten ones masked."""
+    from blockformer.nn.kv_cache import KVCache  # noqa: PLC0415
+
+    model = make("decoder", position, init_std=0.1)
+    tokens = torch.randint(0, V, (2, 11))
+
+    def decode(cache):
+        out, spans = [model(tokens[:, :4], cache=cache, cache_pos=torch.arange(4))], [cache.span]
+        for t in range(4, 11):
+            out.append(model(tokens[:, t : t + 1], cache=cache, cache_pos=torch.tensor([t])))
+            spans.append(cache.span)
+        return torch.cat(out, dim=1), spans
+
+    short, spans = decode(model.new_cache(2, 64))
+    assert spans == [4, 5, 6, 7, 8, 9, 10, 11]
+    monkeypatch.setattr(KVCache, "span", property(lambda self: self.max_len))
+    full, spans = decode(model.new_cache(2, 64))
+    assert spans == [64] * 8
+    torch.testing.assert_close(short, full, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("n_kv_heads", [4, 2])
 @pytest.mark.parametrize("position", POSITIONS)
 def test_encoder_decoder_cache_gives_the_full_forward_logits(position, n_kv_heads):

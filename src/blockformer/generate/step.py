@@ -81,6 +81,7 @@ def static_cache(
             torch._dynamo.mark_static_address(t)
         _STATIC_CACHES[model] = cache
     cache.valid.zero_()
+    cache.written = 0
     cache.cross_k = [None] * len(cache.cross_k)
     cache.cross_v = [None] * len(cache.cross_v)
     cache.memory_mask = None

@@ -3,7 +3,9 @@
 Shapes never change while decoding (gpt-fast's design): each call writes its keys and
 values into fixed slots given by ``cache_pos`` and attends over all ``max_len`` slots, with
 a mask hiding the slots not yet written. A compiled decode step therefore sees the same
-shapes at every token and never recompiles. Position ``p`` goes to slot ``p % max_len``: with
+shapes at every token and never recompiles. Eager decoding on a CPU, where reading a slot
+number on the host is free, attends only over the slots written so far (``span``): a short
+generation in a long cache then does not pay for the empty slots. Position ``p`` goes to slot ``p % max_len``: with
 sliding-window attention the cache is a ring of about two windows, so decoding can run past
 ``max_seq_len`` in bounded memory.
 """
@@ -41,6 +43,16 @@ class KVCache:
         self.cross_k: list[torch.Tensor | None] = [None] * n_layers
         self.cross_v: list[torch.Tensor | None] = [None] * n_layers
         self.memory_mask: torch.Tensor | None = None  # (B, S_src) True for real source tokens
+        self.written = 0  # host-side high-water mark: slots [0, written) have been written
+
+    @property
+    def span(self) -> int:
+        """How many leading slots attention reads: those written so far in eager decoding on
+        a CPU; all of them under ``torch.compile`` (fixed shapes) and on accelerators (no
+        host read of the slot number)."""
+        if torch.compiler.is_compiling() or self.valid.device.type != "cpu":
+            return self.max_len
+        return self.written
 
     @property
     def max_len(self) -> int:
@@ -56,17 +68,21 @@ class KVCache:
         """Mark slots ``cache_pos`` (T,) as written, with their position ids (B, T)."""
         valid = torch.ones_like(positions, dtype=torch.bool) if attention_mask is None else attention_mask
         slots = cache_pos % self.max_len
+        if not torch.compiler.is_compiling() and self.valid.device.type == "cpu":
+            self.written = min(self.max_len, max(self.written, int(cache_pos.max()) + 1))
         self.valid.index_copy_(1, slots, valid.bool())
         self.pos.index_copy_(1, slots, positions)
 
     def update(
         self, layer: int, cache_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k``/``v`` (B, H_kv, T, head_dim) at ``cache_pos``; return all slots."""
+        """Write ``k``/``v`` (B, H_kv, T, head_dim) at ``cache_pos``; return the first
+        ``span`` slots."""
         slots = cache_pos % self.max_len
         self.k[layer].index_copy_(2, slots, k.to(self.dtype))
         self.v[layer].index_copy_(2, slots, v.to(self.dtype))
-        return self.k[layer], self.v[layer]
+        span = self.span
+        return self.k[layer][:, :, :span], self.v[layer][:, :, :span]
 
     def reorder(self, index: torch.Tensor) -> None:
         """Select batch rows ``index`` in place (beam search), keeping tensor identities."""

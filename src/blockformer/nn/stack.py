@@ -60,8 +60,9 @@ class Stack(nn.Module):
             if self.window:
                 _check_ring(cache, cache_pos, self.window)
             cache.record(cache_pos, positions, attention_mask)
-            k_pos, k_valid = cache.pos, cache.valid
-            slots = torch.arange(cache.max_len, device=positions.device)
+            span = cache.span  # the slots attention reads
+            k_pos, k_valid = cache.pos[:, :span], cache.valid[:, :span]
+            slots = torch.arange(span, device=positions.device)
             causal = cache_pos[:, None] >= slots[None, :]  # (T, S): slots written so far
         if self.window:
             causal = _window(positions, k_pos, self.window, self.causal)  # (B, Tq, Tk)

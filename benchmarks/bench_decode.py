@@ -12,18 +12,18 @@ learned positions, GELU, LayerNorm, pre-norm, tied embeddings. Neither stops ear
 blockformer has no EOS, Hugging Face gets ``min_new_tokens = max_new_tokens``.
 
 What makes blockformer's per-token cost small: the KV cache is allocated once (Hugging
-Face's grows by concatenation); the decode step has fixed shapes, so ``torch.compile``
-captures it once (and on CUDA replays it as a CUDA graph, removing per-kernel launch
-overhead, which dominates at batch 1); tokens stay on the device, with no host sync per
-token. What to expect: on a CPU at batch 1 both libraries are bound by reading every
-weight from memory once per token (about 0.5 GB in fp32 for GPT-2 small, 25-45 ms per
-token on one core), so only framework overhead separates them: expect roughly parity in
-fp32 and a modest lead in bf16 (a 4-layer check on a 2-core EPYC gave about 1.0x fp32,
-1.25x bf16), not 2x. Reading fewer bytes per token is what helps on a CPU: the ``int8-*``
-variants store the matmul weights as int8 with per-channel scales (weight-only
-quantization, as gpt-fast does), so the step reads 4x fewer weight bytes than fp32; the
-``int4-*`` variants (groups of 128 weights sharing a scale and offset) 8x fewer. On a GPU, where per-kernel launch overhead dominates at batch 1,
-the compiled step replayed as a CUDA graph is expected to be several times faster.
+Face's grows by concatenation) and eager decoding on a CPU attends only over its written
+slots; the decode step has fixed shapes, so ``torch.compile`` captures it once (and on CUDA
+replays it as a CUDA graph, removing per-kernel launch overhead, which dominates at batch
+1); tokens stay on the device, with no host sync per token. ``packed`` stores the matmul
+weights in oneDNN's blocked layout once (``generate.pack_linears``, what the CLI does on a
+CPU): the same products at up to twice the speed for the few rows of a decode step, output
+checked identical to greedy here. ``matmuls alone`` times just the step's products with
+plain ``torch.mm``, the ceiling of the unpacked kernels. Reading fewer bytes per token also
+helps on a CPU: the ``int8-*`` variants store the matmul weights as int8 with per-channel
+scales (weight-only quantization, as gpt-fast does), 4x fewer weight bytes than fp32; the
+``int4-*`` variants (groups of 128 weights sharing a scale and offset) 8x fewer; both
+change the output a little.
 
 ``speculative`` decodes with a draft model (``generate.speculative``): the target's first
 ``--draft-layers`` blocks with its embeddings and head, verified ``--num-draft`` tokens at a
@@ -44,7 +44,7 @@ import torch
 
 from common import add_shape_args, gpt2_config, hf_gpt2, timed
 
-from blockformer.generate import generate, speculative_generate
+from blockformer.generate import generate, pack_linears, speculative_generate
 from blockformer.generate.quantize import Int4Linear, Int8Linear, quantize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -111,12 +111,14 @@ def main() -> None:
         "nocache": dict(use_cache=False),
         "cache": dict(use_cache=True),
         "compiled": dict(use_cache=True, compile=True),
+        "packed": dict(use_cache=True),
         "int8-cache": dict(use_cache=True),
         "int8-compiled": dict(use_cache=True, compile=True),
         "int4-cache": dict(use_cache=True),
         "int4-compiled": dict(use_cache=True, compile=True),
     }
     float_model = ours
+    expected = generate(float_model, prompt, n, temperature=0)  # greedy, for the exactness checks
     for name, kw in variants.items():
         if name in args.skip:
             continue
@@ -124,15 +126,21 @@ def main() -> None:
         if scheme is not None and not any(isinstance(m, QUANTIZED[scheme]) for m in ours.modules()):
             ours = quantize(copy.deepcopy(float_model), scheme)  # int8 / int4 weights, activations in --dtype
             torch._dynamo.reset()
+        if name == "packed":
+            ours = pack_linears(copy.deepcopy(float_model))  # the same weights in the CPU kernel's layout
 
-        def run(tokens: int = n, kw=kw) -> None:
+        def run(tokens: int = n, kw=kw) -> list[list[int]]:
             out = generate(ours, prompt, tokens, temperature=0, **kw)
             assert len(out[0]) == tokens
+            return out
 
         run(n if "compiled" in name else min(n, 8))  # warm-up (the compiled step's shapes depend on n)
         results[f"blockformer {name}"] = B * n / timed(run, device, args.repeats)
+        if name == "packed":
+            assert run() == expected, "packed weights must give plain greedy's tokens"
+            notes[f"blockformer {name}"] = "output identical to greedy"
 
-    if "floor" not in args.skip:
+    if "matmuls" not in args.skip:
         weights = matmul_weights(float_model)
         inputs = {w.shape[1]: torch.randn(B, w.shape[1], device=device, dtype=dtype) for w in weights}
 
@@ -143,15 +151,14 @@ def main() -> None:
                         torch.mm(inputs[w.shape[1]], w.t())
 
         run_floor()
-        name = "floor: each matmul weight read once per token, nothing else"
+        name = "matmuls alone: plain torch.mm by every matmul weight, once per token"
         results[name] = B * n / timed(run_floor, device, args.repeats)
-        notes[name] = (f"{sum(w.numel() * w.element_size() for w in weights) / 1e6:.0f} MB of weights per token: "
-                       "a bound for any decoder that reads every weight per token")
+        notes[name] = (f"{sum(w.numel() * w.element_size() for w in weights) / 1e6:.0f} MB of weights per token; "
+                       "what the unpacked kernel allows")
 
     if "speculative" not in args.skip:
         target = float_model
         draft = draft if draft is not None else draft_from(target, args.draft_layers)
-        expected = generate(target, prompt, n, temperature=0)
         spec = {}
 
         def run_spec() -> None:

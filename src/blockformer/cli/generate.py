@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             f"--checkpoint {args.checkpoint}: an {ckpt.config.model.arch} model; generate expects a decoder "
             "(use `blockformer translate` for encoder-decoders)"
         )
-    model = prepare_for_decoding(ckpt.model, args.precision, args.quantize)
+    model = prepare_for_decoding(ckpt.model, args.precision, args.quantize, pack=not args.compile)
     draft = _load_draft(args, ckpt, device) if args.draft else None
     prompt_ids = ckpt.tokenizer.encode(args.prompt) or [EOS_ID]  # no prompt: a document starts after eos
 
@@ -121,4 +121,4 @@ def _load_draft(args: argparse.Namespace, ckpt, device):
     same = draft.tokenizer.vocab_size == ckpt.tokenizer.vocab_size
     if not same or draft.tokenizer.encode(probe) != ckpt.tokenizer.encode(probe):
         raise UsageError(f"--draft {args.draft}: its tokenizer differs from --checkpoint's; expected the same one")
-    return prepare_for_decoding(draft.model, args.precision, args.quantize)
+    return prepare_for_decoding(draft.model, args.precision, args.quantize, pack=True)  # --draft: never compiled

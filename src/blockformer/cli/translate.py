@@ -152,9 +152,10 @@ def decoding_options(args: argparse.Namespace) -> dict[str, Any]:
             "max_len_b": args.max_len_b, "batch_size": args.batch_size, "compile": args.compile}
 
 
-def load_translator(checkpoint: str, device_name: str, precision: str, quantize: str | None = None) -> Any:
+def load_translator(checkpoint: str, device_name: str, precision: str, quantize: str | None = None,
+                    pack: bool = False) -> Any:
     """The checkpoint, checked to be an encoder-decoder, its model stored in ``precision``
-    and quantized if asked (``prepare_for_decoding``)."""
+    and quantized or packed if asked (``prepare_for_decoding``)."""
     from ..generate.quantize import prepare_for_decoding  # noqa: PLC0415
     from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
     from ..train.precision import check_precision, resolve_device  # noqa: PLC0415
@@ -168,7 +169,7 @@ def load_translator(checkpoint: str, device_name: str, precision: str, quantize:
             f"--checkpoint {checkpoint}: a {arch} model; translation needs an encoder-decoder "
             "(trained on data.src/data.tgt or a data.task); use `blockformer generate` for decoders"
         )
-    prepare_for_decoding(ckpt.model, precision, quantize)
+    prepare_for_decoding(ckpt.model, precision, quantize, pack=pack)
     return ckpt
 
 
@@ -196,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     _check_decoding(args.beam, args.alpha, args.n_best, args.max_len_a, args.max_len_b, args.batch_size)
     if args.output != "-":
         check_output_file(args.output, "--output")  # before translating, not after
-    ckpt = load_translator(args.checkpoint, args.device, args.precision, args.quantize)
+    ckpt = load_translator(args.checkpoint, args.device, args.precision, args.quantize, pack=not args.compile)
     if args.input == "-" and sys.stdin.isatty():  # a person typing: answer each line as it comes
         for index, line in enumerate(sys.stdin):
             [hyps] = translate_nbest(ckpt.model, ckpt.tokenizer, [line.rstrip("\r\n")], n_best=args.n_best,
@@ -243,7 +244,7 @@ def translation_metrics(args: argparse.Namespace) -> dict[str, Any]:
     options = decoding_options(args)
     options["batch_size"] = 64 if args.batch_size is None else args.batch_size
     _check_decoding(args.beam, args.alpha, 1, args.max_len_a, args.max_len_b, options["batch_size"])
-    ckpt = load_translator(args.checkpoint, args.device, args.precision, args.quantize)
+    ckpt = load_translator(args.checkpoint, args.device, args.precision, args.quantize, pack=not args.compile)
     t0 = time.perf_counter()
     hypotheses = translate_texts(ckpt.model, ckpt.tokenizer, sources, **options)
     seconds = time.perf_counter() - t0

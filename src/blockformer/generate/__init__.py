@@ -5,6 +5,7 @@ model's preallocated KV cache."""
 from .batching import pad_batch, positions_from_mask
 from .beam import Hypothesis, beam_search, length_penalty
 from .decoder import generate
+from .packed import PackedLinear, pack_linears
 from .quantize import Int4Linear, Int8Linear, prepare_for_decoding, quantize
 from .sampling import Sampling, choose, process_logits, sample, top_k_filter, top_p_filter
 from .speculative import SpeculativeOutput, speculative_accept, speculative_generate
@@ -24,6 +25,8 @@ __all__ = [
     "prepare_for_decoding",
     "Int8Linear",
     "Int4Linear",
+    "pack_linears",
+    "PackedLinear",
     "Hypothesis",
     "length_penalty",
     "TextStream",

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..nn.kv_cache import KVCache
+from .packed import is_packed
 
 StepFn = Callable[..., torch.Tensor]
 
@@ -49,6 +50,9 @@ def prepare_step(
     as is, or compiled (``compile_mode`` None: CUDA graphs on GPU, inductor's default on
     CPU)."""
     device, dtype = model_device(model), cache_dtype(model)
+    if compile and is_packed(model):
+        raise ValueError("compile: the model's weights are packed for eager CPU decoding (pack_linears), "
+                         "which a compiled step cannot read; expected compile=False, or an unpacked model")
     if not compile:
         return model.new_cache(batch_size, max_len, device=device, dtype=dtype), step
     mode = compile_mode or ("reduce-overhead" if device.type == "cuda" else None)

@@ -11,9 +11,10 @@ from blockformer.generate import packed as packed_module
 from blockformer.generate.quantize import Int8Linear
 
 DTYPES = [d for d in (torch.float32, torch.bfloat16) if packed_module.can_pack(d)]
-pytestmark = pytest.mark.skipif(not DTYPES, reason="this torch/CPU cannot pack linear weights")
+needs_packing = pytest.mark.skipif(not DTYPES, reason="this torch/CPU does not pack linear weights (see can_pack)")
 
 
+@needs_packing
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_packed_linear_computes_the_linear(dtype, bias):
@@ -35,6 +36,7 @@ def _decoder():
     return build_model(cfg, seed=0).eval()
 
 
+@needs_packing
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_packed_decoder_generates_the_same_tokens(dtype):
     model = _decoder().to(dtype)
@@ -52,12 +54,14 @@ def test_a_packed_decoder_generates_the_same_tokens(dtype):
     assert model.embed.tokens.weight.dtype == dtype  # the tied embedding is still a plain table
 
 
+@needs_packing
 def test_a_compiled_step_refuses_a_packed_model():
     model = pack_linears(_decoder())
     with pytest.raises(ValueError, match="packed for eager CPU decoding"):
         generate(model, torch.tensor([[1, 2, 3]]), 4, temperature=0, compile=True)
 
 
+@needs_packing
 def test_prepare_for_decoding_packs_only_unquantized_models():
     assert any(isinstance(m, PackedLinear) for m in prepare_for_decoding(_decoder(), "fp32", pack=True).modules())
     quantized = prepare_for_decoding(_decoder(), "fp32", "int8", pack=True)
@@ -66,11 +70,16 @@ def test_prepare_for_decoding_packs_only_unquantized_models():
     assert not any(isinstance(m, PackedLinear) for m in prepare_for_decoding(_decoder(), "fp32").modules())
 
 
-def test_nothing_is_packed_where_packing_is_not_available(monkeypatch):
-    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+@pytest.mark.parametrize("unavailable", ["onednn", "cpu"])
+def test_nothing_is_packed_where_packing_is_not_available_or_not_measured(monkeypatch, unavailable):
+    if unavailable == "onednn":
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    else:  # a CPU with AVX2 alone: no AVX-512, no bf16 units
+        monkeypatch.setattr(packed_module, "cpu_has", lambda probe: False)
     packed_module.can_pack.cache_clear()
     try:
-        model = pack_linears(_decoder())
-        assert not any(isinstance(m, PackedLinear) for m in model.modules())
+        for dtype in (torch.float32, torch.bfloat16):
+            model = pack_linears(_decoder().to(dtype))
+            assert not any(isinstance(m, PackedLinear) for m in model.modules())
     finally:
         packed_module.can_pack.cache_clear()

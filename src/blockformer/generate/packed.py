@@ -12,8 +12,10 @@ the gain without that hazard.
 A packed weight is an opaque oneDNN tensor: the model can decode but not train, be copied
 or be saved, and a compiled decode step cannot read it. Like ``quantize``, this is the last
 step before generation (``prepare_for_decoding(..., pack=True)``, which the CLI uses).
-Packing is used only where it is checked to work: a CPU, a torch built with oneDNN, and a
-probe product equal to ``F.linear``'s.
+Packing is used only where it was measured to pay and is checked to work: bf16 weights on a
+CPU with bf16 units (AVX512-BF16 or AMX), fp32 weights on one with AVX-512 (CPUs with AVX2
+alone were not measured and keep ``F.linear``), a torch built with oneDNN, and a probe
+product equal to ``F.linear``'s.
 """
 
 from __future__ import annotations
@@ -24,11 +26,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..hardware import cpu_has
+
 
 @functools.cache
 def can_pack(dtype: torch.dtype) -> bool:
     """Whether this torch and CPU pack ``dtype`` weights and give ``F.linear``'s result."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    if dtype == torch.bfloat16:
+        measured = cpu_has("_is_avx512_bf16_supported") or cpu_has("_is_amx_tile_supported")
+    else:
+        measured = dtype == torch.float32 and cpu_has("_is_avx512_supported")
+    if not measured:
         return False
     try:
         g = torch.Generator().manual_seed(0)

@@ -78,11 +78,8 @@ class DataConfig:
             raise UsageError(f"data.rotate={self.rotate!r}: expected degrees in [0, 45] (0 = no rotation)")
         if not 0.0 <= self.zoom < 1.0:
             raise UsageError(f"data.zoom={self.zoom!r}: expected a float in [0, 1) (0 = no scaling)")
-        if not self.dataset:
-            for name in ("shift", "rotate", "zoom"):
-                if getattr(self, name):
-                    raise UsageError(f"data.{name}={getattr(self, name)!r}: augments the images of a data.dataset; "
-                                     "expected 0 without one")
+        if not self.dataset and self.augmentation:
+            raise UsageError(f"{self.augmentation}: augments the images of a data.dataset; expected 0 without one")
         _positive(self, "max_digits")
         _positive(self, "task_min_len", "task_max_len", "task_digits", "heldout", "vocab_size", "seq_len")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -91,6 +88,12 @@ class DataConfig:
             raise UsageError("data.task_min_len: expected <= data.task_max_len")
         if bool(self.src) != bool(self.tgt):
             raise UsageError("data.src/data.tgt: expected both files of the aligned pair, or neither")
+
+    @property
+    def augmentation(self) -> str:
+        """The first image augmentation asked for, as ``data.NAME=VALUE``; "" if none."""
+        asked = [f"data.{name}={getattr(self, name)!r}" for name in ("shift", "rotate", "zoom") if getattr(self, name)]
+        return asked[0] if asked else ""
 
     @property
     def kind(self) -> Literal["dataset", "task", "pairs", "labelled", "text"]:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..hardware import cpu_has
+from .quantize import swap_linears
 
 
 @functools.cache
@@ -77,12 +78,14 @@ def pack_linears(model: nn.Module) -> nn.Module:
     """Replace every plain ``nn.Linear`` of a CPU ``model`` in place by a ``PackedLinear``
     where its dtype packs (``can_pack``); others are left as they are. Returns ``model``,
     in eval mode."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" and can_pack(child.weight.dtype):
-                setattr(module, name, PackedLinear(child))
+    def make(linear: nn.Linear) -> PackedLinear | None:  # not subclasses: LoRA adds adapters to its product
+        packs = type(linear) is nn.Linear and linear.weight.device.type == "cpu" and can_pack(linear.weight.dtype)
+        return PackedLinear(linear) if packs else None
+
+    swap_linears(model, make)
     return model.eval()
 
 
 def is_packed(model: nn.Module) -> bool:
+    """Whether any matmul of ``model`` holds a packed weight (a compiled step cannot read it)."""
     return any(isinstance(m, PackedLinear) for m in model.modules())

@@ -18,6 +18,8 @@ int8; ``blockformer eval --quantize`` measures the cost).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -148,14 +150,19 @@ def quantize(model: nn.Module, scheme: str | None, group_size: int = 128) -> nn.
         return model
     if scheme not in SCHEMES:
         raise ValueError(f"quantize scheme={scheme!r}: expected one of {SCHEMES}")
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                q = Int8Linear(child) if scheme == "int8" else Int4Linear(child, group_size)
-                setattr(module, name, q)
+    swap_linears(model, lambda lin: Int8Linear(lin) if scheme == "int8" else Int4Linear(lin, group_size))
+    for module in model.modules():
         if hasattr(module, "quantize_experts"):  # stacked MoE experts: int8 under either scheme
             module.quantize_experts()
     return model.eval()
+
+
+def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module | None]) -> None:
+    """Replace, in place, each ``nn.Linear`` of ``model`` for which ``make`` returns a module."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and (new := make(child)) is not None:
+                setattr(module, name, new)
 
 
 def prepare_for_decoding(

@@ -5,9 +5,9 @@ values into fixed slots given by ``cache_pos`` and attends over all ``max_len`` 
 a mask hiding the slots not yet written. A compiled decode step therefore sees the same
 shapes at every token and never recompiles. Eager decoding on a CPU, where reading a slot
 number on the host is free, attends only over the slots written so far (``span``): a short
-generation in a long cache then does not pay for the empty slots. Position ``p`` goes to slot ``p % max_len``: with
-sliding-window attention the cache is a ring of about two windows, so decoding can run past
-``max_seq_len`` in bounded memory.
+generation in a long cache then does not pay for the empty slots. Position ``p`` goes to
+slot ``p % max_len``: with sliding-window attention the cache is a ring of about two
+windows, so decoding can run past ``max_seq_len`` in bounded memory.
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ class KVCache:
         """How many leading slots attention reads: those written so far in eager decoding on
         a CPU; all of them under ``torch.compile`` (fixed shapes) and on accelerators (no
         host read of the slot number)."""
-        if torch.compiler.is_compiling() or self.valid.device.type != "cpu":
-            return self.max_len
-        return self.written
+        return self.written if self._counts_on_host() else self.max_len
+
+    def _counts_on_host(self) -> bool:
+        return not torch.compiler.is_compiling() and self.valid.device.type == "cpu"
 
     @property
     def max_len(self) -> int:
@@ -68,7 +69,7 @@ class KVCache:
         """Mark slots ``cache_pos`` (T,) as written, with their position ids (B, T)."""
         valid = torch.ones_like(positions, dtype=torch.bool) if attention_mask is None else attention_mask
         slots = cache_pos % self.max_len
-        if not torch.compiler.is_compiling() and self.valid.device.type == "cpu":
+        if self._counts_on_host():
             self.written = min(self.max_len, max(self.written, int(cache_pos.max()) + 1))
         self.valid.index_copy_(1, slots, valid.bool())
         self.pos.index_copy_(1, slots, positions)

@@ -59,11 +59,9 @@ def check_dataset(cfg: RunConfig) -> None:
             if getattr(model, name) != want:
                 raise UsageError(f"model.{name}={getattr(model, name)}: data.dataset={data.dataset!r} "
                                  f"needs {want}")
-    if needs != "patches":
-        for name in ("shift", "rotate", "zoom"):
-            if getattr(data, name):
-                raise UsageError(f"data.{name}={getattr(data, name)!r}: augments images; data.dataset="
-                                 f"{data.dataset!r} is read as {needs}; expected 0")
+    if needs != "patches" and data.augmentation:
+        raise UsageError(f"{data.augmentation}: augments images; data.dataset={data.dataset!r} is read as "
+                         f"{needs}; expected 0")
     if needs == "frames" and model.frame_dim != 12:
         raise UsageError(f"model.frame_dim={model.frame_dim}: japanese-vowels frames have 12 coefficients; expected 12")
     if learns == "classify" and head.task != "classify":
@@ -118,7 +116,7 @@ def augment_digits(cfg: RunConfig) -> Callable[[torch.Tensor, torch.Generator], 
     """The training augmentation ``[data]`` asks for: rotation and scaling (``rotate``,
     ``zoom``), then a shift of up to ``shift`` pixels into the empty border; None if none."""
     d = cfg.data
-    if d.shift == 0 and d.rotate == 0 and d.zoom == 0:
+    if not d.augmentation:
         return None
     return lambda x, g: shift(affine(x, d.rotate, d.zoom, g), d.shift, g)
 

@@ -151,7 +151,7 @@ def full_val_loss(checkpoint: Path, cfg, precision: str) -> float:
     from blockformer.data.lm import LMDataset  # noqa: PLC0415
     from blockformer.data.token_file import TokenFile  # noqa: PLC0415
     from blockformer.train.checkpoint import load_checkpoint  # noqa: PLC0415
-    from blockformer.train.loss import token_loss  # noqa: PLC0415
+    from blockformer.nn.loss import token_loss  # noqa: PLC0415
 
     model = load_checkpoint(checkpoint).model.eval()
     cache = sorted(Path(cfg.data.cache_dir).glob("tokens-*.bin"))[0]

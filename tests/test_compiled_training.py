@@ -13,7 +13,7 @@ from blockformer.train import compile as compile_module
 from blockformer.train import loop as loop_module
 from blockformer.train import train
 from blockformer.train.objective import Seq2Seq
-from blockformer.train.loss import token_loss
+from blockformer.nn.loss import token_loss
 from blockformer import TransformerConfig, build_model
 
 from test_train_loop import QUIET, tiny_lm, tiny_pairs, tiny_task

@@ -6,6 +6,7 @@ import torch
 
 from blockformer.data.masking import MASK_ID, MaskingRates, mask_tokens
 from blockformer.errors import UsageError
+from blockformer.nn.loss import token_loss
 from blockformer.run_config import load_run_config
 from blockformer.tokenizers import PAD_ID
 from blockformer.train import train
@@ -60,8 +61,8 @@ class _FixedLogits(torch.nn.Module):
         super().__init__()
         self.logits = torch.nn.Parameter(torch.randn(B, T, V, generator=torch.Generator().manual_seed(0)))
 
-    def forward(self, tokens):
-        return self.logits
+    def forward(self, tokens, targets=None, label_smoothing=0.0):  # the models' contract: a loss given targets
+        return self.logits if targets is None else token_loss(self.logits, targets, label_smoothing)
 
 
 def test_the_mlm_loss_reads_only_the_selected_positions():

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from blockformer.config import TransformerConfig
 from blockformer.models import build_model
 from blockformer.parallel.activation import apply_activation_checkpointing
-from blockformer.train.loss import token_loss
+from blockformer.nn.loss import token_loss
 
 
 class _CountOps(TorchDispatchMode):

@@ -11,7 +11,7 @@ from torch import nn
 
 from blockformer.config import TransformerConfig
 from blockformer.models import build_model
-from blockformer.train.loss import token_loss
+from blockformer.nn.loss import token_loss
 
 from parallel_helpers import read_json, run_ranks, write_json
 

@@ -47,7 +47,7 @@ def test_the_activation_estimate_is_within_30_percent_of_measured_memory(d, laye
     import torch
 
     from blockformer.probes.memory import measure
-    from blockformer.train.loss import token_loss
+    from blockformer.nn.loss import token_loss
 
     cfg = TransformerConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads,
                             attention_dropout=attention_dropout)

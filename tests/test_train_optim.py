@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from blockformer import TransformerConfig, build_model
 from blockformer.run_config import TrainConfig
-from blockformer.train.loss import token_loss
+from blockformer.nn.loss import token_loss
 from blockformer.train.optim import build_optimizer, param_groups
 
 

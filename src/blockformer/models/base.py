@@ -11,6 +11,7 @@ from ..config import TransformerConfig
 from ..nn.attention import Attention
 from ..nn.feedforward import FeedForward
 from ..nn.kv_cache import KVCache
+from ..nn.loss import head_loss
 from ..nn.moe import MoEFeedForward
 from ..nn.position import RelativeBias
 from .head_layers import HeadTransform
@@ -30,12 +31,17 @@ class TransformerModel(nn.Module):
             head.weight = embedding.weight  # one matrix reads tokens in and writes them out
         return head
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final hidden states (B, T, d_model) -> logits (B, T, vocab)."""
+    def _logits(
+        self, h: torch.Tensor, targets: torch.Tensor | None = None, label_smoothing: float = 0.0
+    ) -> torch.Tensor:
+        """Final hidden states (B, T, d_model) -> logits (B, T, vocab); with ``targets``
+        (B, T), the summed token loss instead, the head fused with it (``nn/loss.py``)."""
         if self.head_transform is not None:
             h = self.head_transform(h)
         if self.cfg.output_scale != 1.0:
             h = h * self.cfg.output_scale  # T5 with tied embeddings: d_model^-0.5
+        if targets is not None:
+            return head_loss(h, self.head, targets, label_smoothing)
         return self.head(h)
 
     @torch.no_grad()

@@ -29,8 +29,11 @@ class DecoderModel(TransformerModel):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         cache_pos: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        label_smoothing: float = 0.0,
     ) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, vocab).
+        """tokens (B, T) -> logits (B, T, vocab); with ``targets`` (B, T), the summed
+        cross-entropy against them instead (padding, id 0, excluded), the logits never whole.
 
         ``positions`` (B, T): position ids (default 0..T-1, or ``cache_pos``); left-padded
         batches pass each row's true positions. ``attention_mask`` (B, T): True for real
@@ -39,7 +42,7 @@ class DecoderModel(TransformerModel):
         """
         h = self.hidden_states(tokens, positions=positions, attention_mask=attention_mask, cache=cache,
                                cache_pos=cache_pos)
-        return self._logits(h)
+        return self._logits(h, targets, label_smoothing)
 
     def hidden_states(
         self,

@@ -33,11 +33,16 @@ class EncoderModel(TransformerModel):
         *,
         attention_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        label_smoothing: float = 0.0,
     ) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, vocab). ``attention_mask`` (B, T): True for real
-        tokens; padded keys are hidden from every query. With ``input`` patches or frames there
-        is no vocabulary: the hidden states, for a task head to read."""
-        return self._logits(self.hidden_states(tokens, attention_mask=attention_mask, positions=positions))
+        """tokens (B, T) -> logits (B, T, vocab); with ``targets`` (B, T), the summed
+        cross-entropy against them instead (padding, id 0, excluded: a masked LM's unselected
+        positions). ``attention_mask`` (B, T): True for real tokens; padded keys are hidden
+        from every query. With ``input`` patches or frames there is no vocabulary: the hidden
+        states, for a task head to read."""
+        h = self.hidden_states(tokens, attention_mask=attention_mask, positions=positions)
+        return self._logits(h, targets, label_smoothing)
 
     def hidden_states(
         self,

@@ -61,8 +61,10 @@ class EncoderDecoderModel(TransformerModel):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         cache_pos: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        label_smoothing: float = 0.0,
     ) -> torch.Tensor:
-        """tgt (B, T) -> logits (B, T, vocab). With a cache, ``memory`` is needed only on
+        """tgt (B, T) -> logits (B, T, vocab), or with ``targets`` the summed loss. With a cache, ``memory`` is needed only on
         the first call: cross-attention keys and values are computed once and kept."""
         if cache is not None and cache_pos is None:
             raise ValueError("cache_pos is required with a cache: the slots these tokens fill")
@@ -76,7 +78,7 @@ class EncoderDecoderModel(TransformerModel):
         h = self.decoder(
             self.tgt_embed(tgt, positions), positions, tgt_mask, memory, src_mask, cache=cache, cache_pos=cache_pos
         )
-        return self._logits(h)
+        return self._logits(h, targets, label_smoothing)
 
     def forward(
         self,
@@ -85,6 +87,11 @@ class EncoderDecoderModel(TransformerModel):
         *,
         src_mask: torch.Tensor | None = None,
         tgt_mask: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        label_smoothing: float = 0.0,
     ) -> torch.Tensor:
-        """(src (B, S), target shifted right (B, T)) -> logits (B, T, vocab)."""
-        return self.decode(tgt, self.encode(src, src_mask), self.hidden_mask(src_mask), tgt_mask=tgt_mask)
+        """(src (B, S), target shifted right (B, T)) -> logits (B, T, vocab); with
+        ``targets`` (B, T), the summed cross-entropy against them instead (padding excluded)."""
+        memory = self.encode(src, src_mask)
+        return self.decode(tgt, memory, self.hidden_mask(src_mask), tgt_mask=tgt_mask, targets=targets,
+                           label_smoothing=label_smoothing)

@@ -26,7 +26,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from ..errors import UsageError
 from ..models.base import TransformerModel, default_positions
 from ..nn.stack import Stack
-from ..train.loss import token_loss
+from ..nn.loss import token_loss
 from ..train.precision import autocast
 from .data import rows_of
 
@@ -110,8 +110,15 @@ class PipelineRank(nn.Module):
             self.head, self.head_transform = last.head, last.head_transform
         self.stages = stages  # a plain list: the stages' modules are registered above, once
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, vocab) on every rank of the pipeline: activations sent stage to stage."""
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, label_smoothing: float = 0.0
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab) on every rank of the pipeline: activations sent stage to stage;
+        with ``targets``, their summed loss (the models' contract, for evaluation)."""
+        logits = self._logits_everywhere(tokens)
+        return logits if targets is None else token_loss(logits, targets, label_smoothing)
+
+    def _logits_everywhere(self, tokens: torch.Tensor) -> torch.Tensor:
         pp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         B, T = tokens.shape
         h = None

@@ -3,7 +3,7 @@ precision, checkpoints, metrics)."""
 
 from .checkpoint import Checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint, unwrap
 from .loop import TrainResult, train
-from .loss import token_loss
+from ..nn.loss import token_loss
 from .optim import build_optimizer, param_groups
 from .schedule import constant, cosine, noam
 

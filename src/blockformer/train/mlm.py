@@ -18,7 +18,7 @@ from ..data.lm import LMDataset
 from ..data.masking import MaskingRates, mask_tokens
 from ..run_config import TrainConfig
 from ..tokenizers import PAD_ID
-from .loss import token_loss
+from ..nn.loss import token_loss
 from .objective import Objective
 
 
@@ -49,7 +49,7 @@ class MaskedLM(Objective):
 
     def loss(self, model: nn.Module, batch: MLMBatch, label_smoothing: float = 0.0) -> torch.Tensor:
         inputs, targets = batch[0], batch[1]
-        return token_loss(model(inputs), targets, label_smoothing)  # PAD targets are ignored
+        return model(inputs, targets=targets, label_smoothing=label_smoothing)  # PAD targets are ignored
 
     def count_targets(self, batch: MLMBatch) -> int:
         n = getattr(batch, "n_selected", None)

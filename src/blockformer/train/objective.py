@@ -20,7 +20,6 @@ from ..data.tasks import Task, TaskBatches, exact_match
 from ..generate import greedy_decode
 from ..run_config import TrainConfig
 from ..tokenizers import EOS_ID
-from .loss import token_loss
 
 LMBatch = tuple[torch.Tensor, torch.Tensor]
 
@@ -85,7 +84,7 @@ class LanguageModelling(Objective):
 
     def loss(self, model: nn.Module, batch: LMBatch, label_smoothing: float = 0.0) -> torch.Tensor:
         x, y = batch
-        return token_loss(model(x), y, label_smoothing)
+        return model(x, targets=y, label_smoothing=label_smoothing)  # the head fused with the loss
 
     def count_targets(self, batch: LMBatch) -> int:
         return batch[1].numel()
@@ -132,8 +131,8 @@ class Seq2Seq(Objective):
         return batch.to(self.device, non_blocking=True)
 
     def loss(self, model: nn.Module, batch: Seq2SeqBatch, label_smoothing: float = 0.0) -> torch.Tensor:
-        logits = model(batch.src, batch.tgt_in, src_mask=batch.src_mask, tgt_mask=batch.tgt_mask)
-        return token_loss(logits, batch.tgt_out, label_smoothing)
+        return model(batch.src, batch.tgt_in, src_mask=batch.src_mask, tgt_mask=batch.tgt_mask,
+                     targets=batch.tgt_out, label_smoothing=label_smoothing)
 
     def count_targets(self, batch: Seq2SeqBatch) -> int:
         return batch.num_tokens

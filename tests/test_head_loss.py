@@ -11,6 +11,12 @@ from blockformer.nn.loss import CHUNK_ROWS, head_loss, token_loss
 from blockformer.probes.memory import TensorMemory
 
 
+@pytest.fixture(autouse=True)
+def fuse_every_vocabulary(monkeypatch):
+    """Small heads keep these tests fast; the fused path is taken whatever the vocabulary."""
+    monkeypatch.setattr(loss_module, "FUSE_MIN_VOCAB", 0)
+
+
 def _head_and_batch(n: int, d: int = 16, vocab: int = 50, bias: bool = True, seed: int = 0):
     torch.manual_seed(seed)
     head = nn.Linear(d, vocab, bias=bias)
@@ -86,6 +92,19 @@ def test_the_whole_float32_logits_are_never_made():
     assert peaks["unfused"] >= 2 * logits_bytes
     assert peaks["fused"] <= logits_bytes + 4 * CHUNK_ROWS * 8000 * 4 + 2 * 8000 * 64 * 4
     assert peaks["unfused"] - peaks["fused"] >= logits_bytes  # at least one whole float32 copy fewer
+
+
+def test_a_small_vocabulary_is_scored_in_one_piece(monkeypatch):
+    monkeypatch.setattr(loss_module, "FUSE_MIN_VOCAB", 1000)
+    called = []
+    monkeypatch.setattr(loss_module._LinearCrossEntropy, "apply", lambda *a: called.append(a))
+    head, h, targets = _head_and_batch(n=20, vocab=999)
+    with torch.no_grad():
+        assert float(head_loss(h, head, targets)) == pytest.approx(float(_unfused(h, head, targets, 0.0)))
+    assert not called
+    head, h, targets = _head_and_batch(n=20, vocab=1000)
+    head_loss(h, head, targets)
+    assert len(called) == 1
 
 
 def test_a_subclassed_head_is_scored_through_its_own_forward(monkeypatch):

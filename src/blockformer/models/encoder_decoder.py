@@ -64,8 +64,9 @@ class EncoderDecoderModel(TransformerModel):
         targets: torch.Tensor | None = None,
         label_smoothing: float = 0.0,
     ) -> torch.Tensor:
-        """tgt (B, T) -> logits (B, T, vocab), or with ``targets`` the summed loss. With a cache, ``memory`` is needed only on
-        the first call: cross-attention keys and values are computed once and kept."""
+        """tgt (B, T) -> logits (B, T, vocab), or with ``targets`` the summed loss. With a
+        cache, ``memory`` is needed only on the first call: cross-attention keys and values
+        are computed once and kept."""
         if cache is not None and cache_pos is None:
             raise ValueError("cache_pos is required with a cache: the slots these tokens fill")
         if memory is None and cache is None:

@@ -26,10 +26,11 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
 PAD = 0
-# Rows of logits made at a time. Measured on a 2-core AVX512-BF16 CPU, bf16: forward and
-# backward of the head and loss took 32 ms at 128 rows against 35 (64) and 36 (256), and
-# 79 unfused, for 1500 tokens x 6000 classes (translate-small); 1.13 s against 1.15 (64),
-# 1.32 (256) and 1.58 unfused for 2048 tokens x 50257 classes (GPT-2 small).
+# Rows of logits made at a time. Measured on a 2-core AVX512-BF16 CPU, bf16, with a first
+# version of the loop below: forward and backward of the head and loss took 32 ms at 128
+# rows against 35 (64) and 36 (256), and 79 unfused, for 1500 tokens x 6000 classes
+# (translate-small); 1.13 s against 1.15 (64), 1.32 (256) and 1.58 unfused for 2048 tokens
+# x 50257 classes (GPT-2 small).
 CHUNK_ROWS = 128
 # Below this many classes the logits are small and torch's one-piece loss is faster: 0.21 ms
 # against 0.55 fused for 768 tokens x 65 classes (char-lm-tiny), 1.9-2.7 against 1.7 at 1000.
@@ -57,9 +58,10 @@ def head_loss(h: torch.Tensor, head: nn.Module, targets: torch.Tensor, label_smo
     """``token_loss(head(h), targets, label_smoothing)`` without the whole logits.
 
     Fused for a plain ``nn.Linear`` head over at least ``FUSE_MIN_VOCAB`` classes in eager
-    mode. Otherwise the logits are made and scored as usual: a small vocabulary, a subclass (LoRA adds its adapters to the product), a sharded head
-    (``DTensor``: tensor parallelism has its own vocabulary-parallel loss), and a traced
-    graph (inductor fuses the log-softmax itself).
+    mode. Otherwise the logits are made and scored as usual: a small vocabulary, a subclass
+    (LoRA adds its adapters to the product), a sharded head (``DTensor``: tensor parallelism
+    has its own vocabulary-parallel loss), and a traced graph (inductor fuses the
+    log-softmax itself).
     """
     fused = (
         type(head) is nn.Linear

@@ -81,9 +81,20 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, kind):
         assert_same_run(tmp_path, out, ref)
 
 
-def _two_layouts(rank: int, kind: str, tmp: str) -> None:
+def _two_layouts(rank: int, kind: str, tmp: str, fuse_every_head: bool = False) -> None:
+    if fuse_every_head:  # the small test vocabulary would keep the one-piece loss
+        monkeypatch = pytest.MonkeyPatch()
+        monkeypatch.setattr("blockformer.nn.loss.FUSE_MIN_VOCAB", 0)
     _train_on_rank(rank, kind, tmp, ["parallel.dp_shard=2"], "fsdp")
     _train_on_rank(rank, kind, tmp, ["parallel.dp_replicate=2"], "ddp")
+
+
+def test_the_fused_head_loss_under_ddp_and_fsdp_matches_one_process_without_it(tmp_path):
+    """The ranks fuse the (tied) head with the loss (``nn/loss.py``); the reference does not."""
+    ref = reference("lm", tmp_path)
+    run_ranks(2, _two_layouts, "lm", str(tmp_path), True)
+    for out in ("fsdp", "ddp"):
+        assert_same_run(tmp_path, out, ref)
 
 
 def test_degrees_must_multiply_to_the_world_size():

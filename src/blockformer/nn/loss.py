@@ -34,6 +34,8 @@ PAD = 0
 CHUNK_ROWS = 128
 # Below this many classes the logits are small and torch's one-piece loss is faster: 0.21 ms
 # against 0.55 fused for 768 tokens x 65 classes (char-lm-tiny), 1.9-2.7 against 1.7 at 1000.
+# With torch's kernels forced to AVX2 (fp32) the same break-even held: 0.47 vs 0.88 ms at 65,
+# 6.5 vs 4.8 at 1000 (BENCHMARKS.md).
 FUSE_MIN_VOCAB = 1000
 
 

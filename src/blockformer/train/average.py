@@ -51,11 +51,13 @@ def last_checkpoints(run_dir: str | Path, n: int) -> list[Path]:
 
 def average_state(files: Sequence[str | Path]) -> dict[str, torch.Tensor]:
     """The mean of the float tensors of several ``model.safetensors`` files (same names,
-    shapes and dtypes in each); other tensors are taken from the first, and must match."""
+    shapes and dtypes in each); other tensors are taken from the first, and must match.
+    A file that cannot be read, a non-finite weight or a mismatch is a UsageError naming
+    the file and the tensor."""
     total: dict[str, torch.Tensor] = {}
     first: dict[str, torch.Tensor] = {}
     for k, file in enumerate(files):
-        state = safetensors.torch.load_file(str(file))
+        state = read_weights(file)
         if k == 0:
             first = state
             total = {n: t.double() for n, t in state.items() if t.is_floating_point()}
@@ -75,6 +77,24 @@ def average_state(files: Sequence[str | Path]) -> dict[str, torch.Tensor]:
                 raise UsageError(f"{file}: non-float tensor {name} differs from {files[0]}; cannot average it")
     n = len(files)
     return {name: (total[name] / n).to(t.dtype) if name in total else t for name, t in first.items()}
+
+
+def read_weights(file: str | Path) -> dict[str, torch.Tensor]:
+    """A ``model.safetensors`` file's tensors; a missing, truncated or garbled file, or a
+    NaN or infinite weight, is a UsageError naming it (and the tensor)."""
+    if not Path(file).is_file():
+        raise UsageError(f"{file}: weights file not found; expected a checkpoint's {WEIGHTS}")
+    try:
+        state = safetensors.torch.load_file(str(file))
+    except (safetensors.SafetensorError, ValueError, RuntimeError) as e:  # a cut or garbled file
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise UsageError(f"{file}: cannot read the weights ({reason}); expected a complete safetensors "
+                         f"file as written by save_checkpoint") from None
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise UsageError(f"{file}: tensor {name} holds NaN or infinite values; expected finite weights "
+                             f"(leave this checkpoint out of the average)")
+    return state
 
 
 def average_checkpoints(checkpoints: Sequence[str | Path], output: str | Path) -> Path:
@@ -104,6 +124,7 @@ def average_checkpoints(checkpoints: Sequence[str | Path], output: str | Path) -
     missing = [n for n in params if n not in state and not _tied_elsewhere(model, n, state)]
     if missing:
         raise UsageError(f"{paths[0] / WEIGHTS}: no tensor for {missing[:3]}; expected a complete checkpoint")
+    _check_against(params, state, paths[0] / WEIGHTS)
     with torch.no_grad():
         for name, tensor in state.items():
             params[name].copy_(tensor)
@@ -111,6 +132,18 @@ def average_checkpoints(checkpoints: Sequence[str | Path], output: str | Path) -
     sources = json.dumps([str(p) for p in paths], indent=2) + "\n"
     save_checkpoint(output, model, tokenizer, configs[-1], extra_files={SOURCES: sources})
     return output
+
+
+def _check_against(params: dict[str, torch.Tensor], state: dict[str, torch.Tensor], file: Path) -> None:
+    """Every averaged tensor must be one the model (built from config.json) has, in its shape."""
+    for name, t in state.items():
+        if name not in params:
+            raise UsageError(f"{file}: tensor {name} is not in the model its config.json describes; "
+                             f"expected the weights written with that config")
+        if t.shape != params[name].shape:
+            raise UsageError(f"{file}: tensor {name} is {tuple(t.shape)} but the model its config.json "
+                             f"describes has {tuple(params[name].shape)}; expected the weights written "
+                             f"with that config")
 
 
 def _tokenizer_fingerprint(path: Path) -> str | None:

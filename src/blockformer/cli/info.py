@@ -33,11 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def model_info(cfg: RunConfig, batch_size: int | None = None, seq_len: int | None = None) -> dict:
-    """The figures ``info`` prints, computed on the meta device (no memory is allocated)."""
-    import torch  # noqa: PLC0415
-
-    from ..models import build_model  # noqa: PLC0415
-    from ..stats import active_parameters, count_parameters, flops_per_token, memory_estimate  # noqa: PLC0415
+    """The figures ``info`` prints, from arithmetic and a model built on the meta device (no
+    memory is allocated; a very deep config is extrapolated from two small depths)."""
+    from ..probes.memory import machine_memory_bytes, size_estimate  # noqa: PLC0415
+    from ..stats import flops_per_token  # noqa: PLC0415
 
     m = cfg.model
     T = seq_len if seq_len is not None else (cfg.data.seq_len if m.arch == "decoder" else m.max_seq_len)
@@ -47,9 +46,7 @@ def model_info(cfg: RunConfig, batch_size: int | None = None, seq_len: int | Non
     for flag, value in (("--batch-size", B), ("--seq-len", T)):
         if not 1 <= value <= 2**40:
             raise UsageError(f"{flag} {value}: expected an integer in [1, 2**40]")
-    with torch.device("meta"):
-        model = build_model(m)
-    memory = memory_estimate(m, B, T)
+    size = size_estimate(m, B, T)
     return {
         "arch": m.arch,
         "layers": m.total_layers,
@@ -57,13 +54,14 @@ def model_info(cfg: RunConfig, batch_size: int | None = None, seq_len: int | Non
         "n_heads": m.n_heads,
         "d_ff": m.d_ff,
         "vocab_size": m.vocab_size,
-        "parameters": count_parameters(model),
-        "parameters_without_embeddings": count_parameters(model, exclude_embeddings=True),
-        "active_parameters": active_parameters(model, m),
+        "parameters": size["parameters"],
+        "parameters_without_embeddings": size["parameters_without_embeddings"],
+        "active_parameters": size["active_parameters"],
         "flops_per_token": flops_per_token(m, T),
         "batch_size": B,
         "seq_len": T,
-        "memory_bytes": memory,
+        "memory_bytes": size["memory_bytes"],
+        "machine_memory_bytes": machine_memory_bytes(),
     }
 
 
@@ -115,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"memory       {_gib(mem['total_bytes'])} for a micro-batch of {info['batch_size']} x "
           f"{info['seq_len']} in fp32: weights {_gib(mem['weights_bytes'])}, optimizer+grads "
           f"{_gib(mem['optimizer_bytes'])}, activations {_gib(mem['activation_bytes'])}")
+    ram = info["machine_memory_bytes"]
+    if ram is not None and mem["total_bytes"] > ram:
+        print(f"note         more than this machine's {_gib(ram)} of RAM: `blockformer train` refuses it here")
     for line in format_plan(info["plan"]) if "plan" in info else []:
         print(line)
     if not args.checkpoint and cfg.data.tokenizer in ("char", "bpe"):

@@ -26,9 +26,10 @@ class Task:
 
     name = "task"
     alphabet = ""  # every character a source or target can contain
+    length_field = ""  # the run-config field that sets the longest sequence
 
     def __init__(self, n_heldout: int = 500):
-        if n_heldout < 0 or 2 * n_heldout > self.num_sources():
+        if n_heldout < 0 or 2 * n_heldout > self.num_sources(at_most=2 * n_heldout):
             raise UsageError(
                 f"task.n_heldout: {n_heldout} for {self.num_sources()} possible {self.name} sources; "
                 "expected at most half of them"
@@ -41,12 +42,28 @@ class Task:
         """The options that define the task (they also seed its held-out split)."""
         return {"name": self.name, "n_heldout": self.n_heldout}
 
-    def num_sources(self) -> int:
+    def num_sources(self, at_most: int | None = None) -> int:
+        """How many distinct sources there are, or ``at_most`` if there are more (the full
+        count for long strings is an integer of thousands of digits)."""
         raise NotImplementedError
 
     def draw(self, generator: torch.Generator) -> str:
         """A random source (possibly a held-out one)."""
         raise NotImplementedError
+
+    def longest(self) -> int:
+        """Characters in the longest source or target: a bound on its tokens (one per character
+        for char and byte tokenizers, fewer for bpe)."""
+        raise NotImplementedError
+
+    def check_fits(self, max_seq_len: int) -> None:
+        """A one-line ``UsageError`` unless every pair, with its eos/bos, fits ``max_seq_len``
+        positions (a longer one is not a bigger task but a model of another size)."""
+        if self.longest() + 1 > max_seq_len:
+            raise UsageError(
+                f"{self.length_field}: {self!r} has sequences of up to {self.longest()} characters + eos, over "
+                f"model.max_seq_len={max_seq_len}; expected a shorter task or a longer model.max_seq_len"
+            )
 
     def target(self, source: str) -> str:
         raise NotImplementedError
@@ -88,6 +105,8 @@ class Task:
 class SequenceTask(Task):
     """Sources are strings over ``alphabet`` of length ``min_len..max_len`` (uniform length)."""
 
+    length_field = "data.task_max_len"
+
     def __init__(
         self, min_len: int = 3, max_len: int = 12, alphabet: str = "abcdefghij", n_heldout: int = 500
     ):
@@ -102,8 +121,16 @@ class SequenceTask(Task):
         lengths = {"min_len": self.min_len, "max_len": self.max_len}
         return {**super().config(), **lengths, "alphabet": self.alphabet}
 
-    def num_sources(self) -> int:
-        return sum(len(self.alphabet) ** n for n in range(self.min_len, self.max_len + 1))
+    def num_sources(self, at_most: int | None = None) -> int:
+        total = 0
+        for n in range(self.min_len, self.max_len + 1):
+            total += len(self.alphabet) ** n
+            if at_most is not None and total >= at_most:
+                return at_most
+        return total
+
+    def longest(self) -> int:
+        return self.max_len
 
     def draw(self, generator: torch.Generator) -> str:
         n = int(torch.randint(self.min_len, self.max_len + 1, (), generator=generator))
@@ -143,6 +170,7 @@ class AddTask(Task):
 
     name = "add"
     alphabet = "0123456789+"
+    length_field = "data.task_digits"
 
     def __init__(self, digits: int = 3, n_heldout: int = 500):
         if not 1 <= digits <= 18:
@@ -153,8 +181,12 @@ class AddTask(Task):
     def config(self) -> dict[str, Any]:
         return {**super().config(), "digits": self.digits}
 
-    def num_sources(self) -> int:
-        return 10 ** (2 * self.digits)
+    def num_sources(self, at_most: int | None = None) -> int:
+        total = 10 ** (2 * self.digits)
+        return total if at_most is None else min(total, at_most)
+
+    def longest(self) -> int:
+        return 2 * self.digits + 1  # "123+045"; the sum has at most digits + 1
 
     def draw(self, generator: torch.Generator) -> str:
         a, b = torch.randint(10**self.digits, (2,), generator=generator).tolist()

@@ -8,7 +8,11 @@ executed. Every error names the file and, where there is one, the tensor.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
@@ -57,12 +61,8 @@ class HFWeights:
         d = self.directory
         for index, single in ((SAFETENSORS_INDEX, SAFETENSORS), (BIN_INDEX, BIN)):
             if (d / index).is_file():
-                try:
-                    weight_map = json.loads((d / index).read_text(encoding="utf-8"))["weight_map"]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise UsageError(f"{d / index}: expected a JSON object with a weight_map ({e})") from None
                 by_file: dict[str, list[str]] = {}
-                for name, fname in weight_map.items():
+                for name, fname in _weight_map(d / index).items():
                     by_file.setdefault(fname, []).append(name)
                 return [(d / f, names) for f, names in by_file.items()]
             if (d / single).is_file():
@@ -77,15 +77,12 @@ class HFWeights:
                 with safe_open(str(file), "pt") as f:
                     return list(f.keys())
             except Exception as e:  # safetensors raises its own error types for a damaged file
-                raise UsageError(f"{file}: not a readable safetensors file ({e})") from None
+                raise UsageError(f"{file}: not a readable safetensors file ({_first_line(e)})") from None
         return list(self._bin(file))
 
     def _bin(self, file: Path) -> dict[str, torch.Tensor]:
         if file not in self._bins:
-            try:
-                self._bins[file] = torch.load(file, map_location="cpu", weights_only=True)
-            except Exception as e:  # many error types for a damaged or unsafe pickle
-                raise UsageError(f"{file}: cannot read the weights ({type(e).__name__}: {e})") from None
+            self._bins[file] = _load_bin(file)
         return self._bins[file]
 
     def names(self) -> set[str]:
@@ -108,17 +105,85 @@ class HFWeights:
         if name not in self._where:
             raise UsageError(f"{self._default_file()}: missing tensor {name!r}")
         file, inner = self._where[name]
-        if file.suffix == ".safetensors":
+        if file.suffix != ".safetensors":
+            state = self._bin(file)
+            if inner not in state or not torch.is_tensor(state[inner]):
+                raise UsageError(f"{file}: no tensor {inner!r}; expected the one its index names")
+            return state[inner]
+        try:
             with safe_open(str(file), "pt") as f:
                 return f.get_tensor(inner)
-        return self._bin(file)[inner]
+        except Exception as e:  # a damaged shard, or one without the tensor its index names
+            raise UsageError(f"{file}: cannot read tensor {inner!r} ({_first_line(e)}); expected a safetensors "
+                             f"file holding it") from None
 
 
-def write_hf_dir(directory: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (the tensors as they are, contiguous)."""
+def _weight_map(index: Path) -> dict[str, str]:
+    """A sharded index's ``weight_map`` (tensor name -> shard file), checked: every shard a
+    file inside the index's own directory that exists."""
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{index}: not valid JSON ({_first_line(e)}); expected a shard index") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise UsageError(f"{index}: expected a JSON object whose weight_map maps tensor names to shard file names")
+    for name, shard in weight_map.items():
+        parts = PurePosixPath(shard.replace("\\", "/")).parts
+        if not parts or shard.startswith(("/", "\\")) or PureWindowsPath(shard).anchor or ".." in parts:
+            raise UsageError(f"{index}: weight_map entry {name!r}: {shard!r} leaves the model directory; "
+                             f"expected a shard file name inside {index.parent}")
+        if not (index.parent / shard).is_file():
+            raise UsageError(f"{index}: weight_map entry {name!r}: shard {shard!r} not found in {index.parent}")
+    return weight_map
+
+
+def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+    """A ``pytorch_model.bin``: read with ``weights_only=True``, so a pickle that names any
+    class or function is refused, never run."""
+    try:
+        with warnings.catch_warnings():  # torch warns about the pickle protocol of files it then reads fine
+            warnings.simplefilter("ignore")
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "global" in str(e).lower():  # a class or function the safe unpickler will not import
+            raise UsageError(f"{file}: refused: it holds objects other than tensors and plain containers, which "
+                             f"could run code when loaded; not loaded (expected a state dict of tensors)") from None
+        raise UsageError(f"{file}: cannot read the weights (UnpicklingError: {_first_line(e)})") from None
+    except Exception as e:  # many error types for a damaged file
+        raise UsageError(f"{file}: cannot read the weights ({type(e).__name__}: {_first_line(e)})") from None
+    if not isinstance(state, dict):
+        raise UsageError(f"{file}: holds a {type(state).__name__}; expected a state dict (tensor name -> tensor)")
+    return state
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else type(e).__name__
+
+
+def write_hf_dir(directory: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                 files: dict[str, str] | None = None) -> None:
+    """Write ``config.json``, ``model.safetensors`` (the tensors as they are, contiguous) and
+    ``files`` (name -> text) as ``directory``, replacing whatever was there: they are written
+    beside it under a temporary name and renamed into place, so a failure leaves it as it was."""
     import safetensors.torch
 
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    owned = {k: v.detach().contiguous().clone() for k, v in tensors.items()}  # no shared storage
-    safetensors.torch.save_file(owned, str(directory / SAFETENSORS), metadata={"format": "pt"})
+    from ..train.checkpoint import TMP_TAG, discard  # noqa: PLC0415
+
+    tmp = directory.parent / f".{directory.name}{TMP_TAG}{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.mkdir()
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        owned = {k: v.detach().contiguous().clone() for k, v in tensors.items()}  # no shared storage
+        safetensors.torch.save_file(owned, str(tmp / SAFETENSORS), metadata={"format": "pt"})
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        if directory.is_symlink() or directory.exists():
+            discard(directory)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..scaling.plot import plot_sweep  # noqa: PLC0415
     from ..scaling.sweep import (  # noqa: PLC0415
-        POINT, PLOT, Point, ensure_point, fit_points, parse_count, parse_sizes, parse_tokens, point_name, report,
-        run_grid, save,
+        POINT, PLOT, ensure_point, fit_points, parse_count, parse_sizes, parse_tokens, point_name, read_point,
+        report, run_grid, save,
     )
 
     base = load_run_config(args.config, args.preset, args.overrides)
@@ -63,9 +63,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("runs") / f"sweep-{base.train.name}"
     out.mkdir(parents=True, exist_ok=True)
     if args.fit_only:
-        import json  # noqa: PLC0415
-
-        points = [Point(**json.loads(f.read_text())) for f in sorted((out / "points").glob(f"*/{POINT}"))]
+        points = [read_point(f) for f in sorted((out / "points").glob(f"*/{POINT}"))]
         if not points:
             raise UsageError(f"--fit-only: no finished points in {out / 'points'}")
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,13 @@ import numpy as np
 
 from ..train.metrics import read_metrics
 from .fit import ChinchillaFit
+
+
+def _train_record(r: dict) -> bool:
+    """A training record with a finite step and loss (others are not drawn)."""
+    return r.get("split") == "train" and all(
+        isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool) and math.isfinite(r[k])
+        for k in ("step", "loss"))
 
 
 def plot_sweep(summary: dict[str, Any], path: str | Path) -> Path:
@@ -26,7 +34,7 @@ def plot_sweep(summary: dict[str, Any], path: str | Path) -> Path:
 
     for p in points:  # training loss against tokens seen, per run
         per_step = p["tokens"] / p["steps"]
-        train = [(r["step"] * per_step, r["loss"]) for r in read_metrics(p["run_dir"]) if r.get("split") == "train"]
+        train = [(r["step"] * per_step, r["loss"]) for r in read_metrics(p["run_dir"]) if _train_record(r)]
         if train:
             curves.plot(*zip(*train), color=colors[p["size"]], lw=0.8, alpha=0.7)
         curves.plot(p["tokens"], p["val_loss"], "o", color=colors[p["size"]], ms=4)

@@ -47,6 +47,44 @@ class Point:
     run_dir: str
 
 
+POSITIVE = {"d_model", "n_layers", "tokens", "steps", "parameters", "non_embedding", "flops", "val_loss"}
+
+
+def read_point(path: Path) -> Point:
+    """A finished point from its ``point.json``; a file that is not one (bad JSON, a missing
+    or unknown key, a wrong type, a number that is not finite and > 0) is a one-line
+    ``UsageError`` naming the file and the field."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path}: not readable as JSON ({str(e).splitlines()[0]}); expected a sweep point") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: a JSON {type(data).__name__}; expected an object with the fields of a sweep point")
+    types = {f.name: f.type for f in dataclasses.fields(Point)}
+    missing, unknown = [k for k in types if k not in data], [k for k in data if k not in types]
+    if missing or unknown:
+        what = f"missing {', '.join(missing)}" if missing else f"unknown field {', '.join(map(str, unknown))}"
+        raise UsageError(f"{path}: {what}; expected the fields {', '.join(types)}")
+    for name, kind in types.items():
+        _check_field(path, name, data[name], kind)
+    return Point(**data)
+
+
+def _check_field(path: Path, name: str, value: Any, kind: str) -> None:
+    """One field of a point: its JSON type, then finite and > 0 for the counts and the loss."""
+    if kind == "int":
+        ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif kind == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        expected = "a finite number"
+    else:
+        ok, expected = isinstance(value, str) and value != "", "a non-empty string"
+    if ok and name in POSITIVE and not value > 0:
+        ok, expected = False, expected + " > 0"
+    if not ok:
+        raise UsageError(f"{path}: field {name}={json.dumps(value)[:40]}; expected {expected}")
+
+
 def parse_sizes(text: str) -> list[tuple[int, int]]:
     """``"64x2,128x4"`` -> [(64, 2), (128, 4)] (width x layers)."""
     sizes = []
@@ -144,7 +182,7 @@ def ensure_point(base: RunConfig, width: int, layers: int, budget: int, where: P
                  log: Callable[[str], None]) -> Point:
     run_dir = where / point_name(width, layers, budget)
     if (run_dir / POINT).is_file():
-        point = Point(**json.loads((run_dir / POINT).read_text()))
+        point = read_point(run_dir / POINT)
         log(f"{run_dir.name}: done before (val loss {point.val_loss:.4f}), not retrained")
         return point
     cfg = point_config(base, width, layers, budget)

@@ -120,3 +120,164 @@ def test_checks_do_not_break_a_fullgraph_compile():
     x = torch.tensor([[1, 2, 3, 4]])
     compiled = torch.compile(m, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x), m(x))
+
+
+# ---------------------------------------------------------------------- the fuzz table
+# Each public function with each bad input an outside fuzz campaign tried (issue 21):
+# the exception is a TypeError (wrong type) or a ValueError (wrong value; UsageError is
+# one), raised before any work, and its message starts with the argument's name.
+
+from blockformer import count_parameters, flops_per_token, from_hf, memory_estimate, to_hf  # noqa: E402
+from blockformer.generate import (  # noqa: E402
+    Sampling, TextStream, beam_search, choose, process_logits, speculative_generate, top_k_filter, top_p_filter,
+    translate,
+)
+from blockformer.run_config import RunConfig  # noqa: E402
+
+DEC = model("decoder", "rope")
+ENC = model("encoder", "rope")
+S2S = model("encoder-decoder", "rope")
+X = torch.tensor([[4, 5, 6, 7]])
+LOGITS = torch.randn(2, V)
+
+
+def cfg(**kw):
+    return TransformerConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, d_ff=32, **kw)
+
+
+BAD_CALLS = {
+    # build_model: the config and the seed
+    "build_model cfg=dict": (lambda: build_model({"arch": "decoder"}), TypeError, "cfg: a dict; expected a TransformerConfig"),
+    "build_model cfg=RunConfig": (lambda: build_model(RunConfig()), TypeError, r"cfg: a RunConfig; .*run.model"),
+    "build_model cfg=None": (lambda: build_model(None), TypeError, "cfg: None; expected a TransformerConfig"),
+    "build_model seed=1.5": (lambda: build_model(cfg(), seed=1.5), TypeError, "seed: 1.5; expected an integer"),
+    "build_model seed='0'": (lambda: build_model(cfg(), seed="0"), TypeError, "seed: '0'; expected an integer"),
+    "build_model seed=-1": (lambda: build_model(cfg(), seed=-1), ValueError, r"seed: -1; expected an integer in \[0"),
+    # targets= and label_smoothing= of every forward
+    "decoder targets float": (lambda: DEC(X, targets=X.float()), TypeError, "targets: dtype torch.float32"),
+    "decoder targets shape": (lambda: DEC(X, targets=X[:, :3]), ValueError, r"targets: shape \(1, 3\); expected \(1, 4\)"),
+    "decoder targets id V": (lambda: DEC(X, targets=X + V), ValueError, f"targets: id {V + 7} is outside"),
+    "decoder targets id -1": (lambda: DEC(X, targets=X - 8), ValueError, "targets: id -4 is outside"),
+    "decoder targets list": (lambda: DEC(X, targets=[[1, 2, 3, 4]]), TypeError, "targets: a list"),
+    "decoder label_smoothing nan": (lambda: DEC(X, targets=X, label_smoothing=float("nan")), ValueError,
+                                    r"label_smoothing: nan; expected a float in \[0, 1\)"),
+    "decoder label_smoothing 1": (lambda: DEC(X, targets=X, label_smoothing=1.0), ValueError, "label_smoothing: 1.0"),
+    "decoder label_smoothing -0.1": (lambda: DEC(X, targets=X, label_smoothing=-0.1), ValueError, "label_smoothing: -0.1"),
+    "decoder label_smoothing str": (lambda: DEC(X, targets=X, label_smoothing="0.1"), TypeError, "label_smoothing: '0.1'"),
+    "encoder targets shape": (lambda: ENC(X, targets=X[:, :2]), ValueError, r"targets: shape \(1, 2\)"),
+    "encoder targets id V": (lambda: ENC(X, targets=X * 0 + V), ValueError, f"targets: id {V} is outside"),
+    "encoder label_smoothing nan": (lambda: ENC(X, targets=X, label_smoothing=float("nan")), ValueError, "label_smoothing: nan"),
+    # the encoder-decoder's two inputs and its memory
+    "s2s batch mismatch": (lambda: S2S(X.expand(2, 4), X.expand(3, 4)), ValueError, "tgt: batch of 3; expected 2 like src"),
+    "s2s targets shape": (lambda: S2S(X, X, targets=X[:, :2]), ValueError, r"targets: shape \(1, 2\); expected \(1, 4\)"),
+    "s2s targets id -1": (lambda: S2S(X, X, targets=X * 0 - 1), ValueError, "targets: id -1 is outside"),
+    "s2s label_smoothing nan": (lambda: S2S(X, X, targets=X, label_smoothing=float("nan")), ValueError, "label_smoothing: nan"),
+    "decode memory width": (lambda: S2S.decode(X, torch.zeros(1, 4, 8)), ValueError,
+                            r"memory: shape \(1, 4, 8\); expected \(batch, length, d_model=16\)"),
+    "decode memory batch": (lambda: S2S.decode(X, torch.zeros(2, 4, 16)), ValueError, "memory: batch of 2; expected 1 like tgt"),
+    "decode memory 2-d": (lambda: S2S.decode(X, torch.zeros(4, 16)), ValueError, r"memory: shape \(4, 16\)"),
+    "decode memory list": (lambda: S2S.decode(X, [[0.0] * 16]), TypeError, "memory: a list; expected a float tensor"),
+    "decode memory long": (lambda: S2S.decode(X, torch.zeros(1, 4, 16, dtype=torch.long)), TypeError,
+                           "memory: dtype torch.int64"),
+    "decode src_mask shape": (lambda: S2S.decode(X, torch.zeros(1, 4, 16), torch.ones(1, 3, dtype=torch.bool)), ValueError,
+                              r"src_mask: shape \(1, 3\); expected \(1, 4\)"),
+    # generate: the model, the sampling parameters, the limits, the special ids, the stops
+    "generate model=str": (lambda: generate("gpt2", [[1]], 3), TypeError, "model: a str; expected a blockformer model"),
+    "generate encoder-decoder": (lambda: generate(S2S, [[1]], 3), TypeError,
+                                 "model: an encoder-decoder model; expected a decoder"),
+    "generate encoder": (lambda: generate(ENC, [[1]], 3), TypeError, "model: an encoder model; expected a decoder"),
+    "generate temperature str": (lambda: generate(DEC, [[1]], 3, temperature="1"), TypeError, "temperature: '1'"),
+    "generate temperature -1": (lambda: generate(DEC, [[1]], 3, temperature=-1.0), ValueError, "temperature: -1.0"),
+    "generate top_k 2.5": (lambda: generate(DEC, [[1]], 3, top_k=2.5), TypeError, "top_k: 2.5; expected an integer"),
+    "generate top_k True": (lambda: generate(DEC, [[1]], 3, top_k=True), TypeError, "top_k: True"),
+    "generate top_k 0": (lambda: generate(DEC, [[1]], 3, top_k=0), ValueError, "top_k: 0"),
+    "generate top_p str": (lambda: generate(DEC, [[1]], 3, top_p="0.9"), TypeError, "top_p: '0.9'"),
+    "generate top_p nan": (lambda: generate(DEC, [[1]], 3, top_p=float("nan")), ValueError, "top_p: nan"),
+    "generate top_p 0": (lambda: generate(DEC, [[1]], 3, top_p=0.0), ValueError, "top_p: 0.0"),
+    "generate min_p": (lambda: generate(DEC, [[1]], 3, min_p=0.1), TypeError, "min_p"),
+    "generate max_new_tokens -1": (lambda: generate(DEC, [[1]], -1), ValueError, "max_new_tokens: -1"),
+    "generate max_new_tokens 2.0": (lambda: generate(DEC, [[1]], 2.0), ValueError, "max_new_tokens: 2.0"),
+    "generate min > max": (lambda: generate(DEC, [[1]], 3, min_new_tokens=5, eos_id=2), ValueError,
+                           "min_new_tokens: 5 exceeds max_new_tokens=3"),
+    "generate seed -1": (lambda: generate(DEC, [[1]], 3, seed=-1), ValueError, r"seed: -1; expected an integer in \[0"),
+    "generate seed 1.5": (lambda: generate(DEC, [[1]], 3, seed=1.5), TypeError, "seed: 1.5"),
+    "generate generator": (lambda: generate(DEC, [[1]], 3, generator=0), TypeError, "generator: an int; expected a torch.Generator"),
+    "generate eos_id V": (lambda: generate(DEC, [[1]], 3, eos_id=V), ValueError, f"eos_id: {V} is outside \\[0, {V}\\)"),
+    "generate eos_id -1": (lambda: generate(DEC, [[1]], 3, eos_id=-1), ValueError, "eos_id: -1 is outside"),
+    "generate eos_id 2.0": (lambda: generate(DEC, [[1]], 3, eos_id=2.0), TypeError, "eos_id: 2.0; expected an integer"),
+    "generate pad_id V": (lambda: generate(DEC, [[1], [1, 2]], 3, pad_id=V + 5), ValueError, f"pad_id: {V + 5} is outside"),
+    "generate pad_id -1": (lambda: generate(DEC, [[1], [1, 2]], 3, pad_id=-1), ValueError, "pad_id: -1 is outside"),
+    "generate stop_sequences str": (lambda: generate(DEC, [[1]], 3, stop_sequences="ab"), TypeError,
+                                    "stop_sequences: a str; expected a list of token-id lists"),
+    "generate stop_sequences [str]": (lambda: generate(DEC, [[1]], 3, stop_sequences=["ab"]), TypeError,
+                                      r"stop_sequences\[0\]: 'ab'; expected a list of token ids"),
+    "generate stop_sequences float": (lambda: generate(DEC, [[1]], 3, stop_sequences=[[1.5]]), TypeError,
+                                      r"stop_sequences\[0\]: expected integer token ids"),
+    "generate stop not callable": (lambda: generate(DEC, [[1]], 3, stop="END"), TypeError, "stop: a str; expected a function"),
+    "generate on_token": (lambda: generate(DEC, [[1]], 3, on_token=3), TypeError, "on_token: an int; expected a function"),
+    "generate check_every 0": (lambda: generate(DEC, [[1]], 3, check_every=0), ValueError, "check_every: 0"),
+    "generate check_every 1.5": (lambda: generate(DEC, [[1]], 3, check_every=1.5), TypeError, "check_every: 1.5"),
+    "generate mask list": (lambda: generate(DEC, X, 3, attention_mask=[[True] * 4]), TypeError,
+                           "attention_mask: a list; expected a bool tensor"),
+    "speculative draft=str": (lambda: speculative_generate(DEC, "small", [[1]], 3), TypeError, "draft: a str"),
+    "speculative seed -1": (lambda: speculative_generate(DEC, DEC, [[1]], 3, seed=-1), ValueError, "seed: -1"),
+    "speculative eos_id V": (lambda: speculative_generate(DEC, DEC, [[1]], 3, eos_id=V), ValueError, f"eos_id: {V}"),
+    # encoder-decoder decoding
+    "greedy_decode decoder": (lambda: greedy_decode(DEC, [[4, 5]]), TypeError,
+                              "model: a decoder model; expected an encoder-decoder"),
+    "beam_search decoder": (lambda: beam_search(DEC, [[4, 5]]), TypeError, "model: a decoder model; expected an encoder-decoder"),
+    "beam_search str": (lambda: beam_search(None, [[4, 5]]), TypeError, "model: None; expected a blockformer model"),
+    "greedy_decode check_every 0": (lambda: greedy_decode(S2S, [[4, 5]], check_every=0), ValueError, "check_every: 0"),
+    "greedy_decode bos_id V": (lambda: greedy_decode(S2S, [[4, 5]], bos_id=V), ValueError, f"bos_id: {V} is outside"),
+    "greedy_decode eos_id -1": (lambda: greedy_decode(S2S, [[4, 5]], eos_id=-1), ValueError, "eos_id: -1 is outside"),
+    "beam_search beam > vocab": (lambda: beam_search(S2S, [[4, 5]], beam_size=V + 1, n_best=1), ValueError,
+                                 f"beam_size: {V + 1} exceeds the model's vocab_size={V}"),
+    "beam_search alpha str": (lambda: beam_search(S2S, [[4, 5]], alpha="0.6"), TypeError, "alpha: '0.6'"),
+    "beam_search bos_id -1": (lambda: beam_search(S2S, [[4, 5]], bos_id=-1), ValueError, "bos_id: -1 is outside"),
+    "beam_search src_mask list": (lambda: beam_search(S2S, X, [[True] * 4]), TypeError, "src_mask: a list"),
+    "translate beam 0": (lambda: translate(S2S, [[4, 5]], beam_size=0), ValueError, "beam_size: 0"),
+    "translate decoder": (lambda: translate(DEC, [[4, 5]], beam_size=1), TypeError, "model: a decoder model"),
+    # sampling pieces
+    "Sampling temperature str": (lambda: Sampling(temperature="0.8"), TypeError, "temperature: '0.8'"),
+    "top_k_filter k=0": (lambda: top_k_filter(LOGITS, 0), ValueError, "k: 0; expected an integer >= 1"),
+    "top_k_filter k=1.5": (lambda: top_k_filter(LOGITS, 1.5), TypeError, "k: 1.5"),
+    "top_p_filter p=0": (lambda: top_p_filter(LOGITS, 0.0), ValueError, r"p: 0.0; expected a float in \(0, 1\]"),
+    "top_p_filter p=nan": (lambda: top_p_filter(LOGITS, float("nan")), ValueError, "p: nan"),
+    "process_logits sampling": (lambda: process_logits(LOGITS, "greedy"), TypeError, "sampling: a str; expected a Sampling"),
+    "choose sampling None": (lambda: choose(LOGITS, None), TypeError, "sampling: None; expected a Sampling"),
+    "choose logits list": (lambda: choose([[0.0, 1.0]], Sampling()), TypeError, "logits: a list"),
+    # streaming text
+    "TextStream stop_strings str": (lambda: TextStream(str, None, "END"), TypeError, "stop_strings: a str; expected a list"),
+    "TextStream stop_strings int": (lambda: TextStream(str, None, [3]), TypeError, r"stop_strings\[0\]: 3"),
+    "TextStream decode": (lambda: TextStream("utf-8"), TypeError, "decode: a str; expected a function"),
+    "TextStream write": (lambda: TextStream(str, "stdout"), TypeError, "write: a str; expected a function"),
+    # other formats and sizes
+    "from_hf None": (lambda: from_hf(None), TypeError, "source: None; expected a Hugging Face model directory"),
+    "from_hf Linear": (lambda: from_hf(torch.nn.Linear(2, 2)), TypeError, "source: a Linear; expected a Hugging Face"),
+    "from_hf our model": (lambda: from_hf(DEC), TypeError, "source: a DecoderModel; expected a Hugging Face"),
+    "to_hf None": (lambda: to_hf(None, "out"), TypeError, "source: None; expected a blockformer checkpoint"),
+    "to_hf Linear": (lambda: to_hf(torch.nn.Linear(2, 2), "out"), TypeError, "source: a Linear; expected a blockformer"),
+    "to_hf out None": (lambda: to_hf(DEC, None), TypeError, "out: None; expected a directory path"),
+    "to_hf tokenizer str": (lambda: to_hf(DEC, "out", tokenizer="char"), TypeError, "tokenizer: a str; expected a Tokenizer"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_public_functions_refuse_bad_arguments_naming_them(case):
+    thunk, error, message = BAD_CALLS[case]
+    with pytest.raises(error, match=message) as caught:
+        thunk()
+    if error is TypeError:  # a wrong type is not also a wrong value
+        assert not isinstance(caught.value, ValueError), caught.value
+
+
+def test_the_checks_let_good_arguments_through():
+    """Every argument the table refuses has a neighbour that works."""
+    assert DEC(X, targets=X, label_smoothing=0.1).ndim == 0
+    assert S2S(X.expand(2, 4), X.expand(2, 4), targets=X.expand(2, 4)).ndim == 0
+    assert S2S.decode(X, torch.zeros(1, 4, 16), torch.ones(1, 4, dtype=torch.bool)).shape == (1, 4, V)
+    assert len(generate(DEC, [[1], [1, 2]], 3, min_new_tokens=3, eos_id=2, seed=0, pad_id=0, stop_sequences=[[5]],
+                        stop=lambda r, ids: False, on_token=lambda r, t: None, top_k=3, top_p=0.9)) == 2
+    assert len(beam_search(S2S, [[4, 5]], beam_size=V, max_len=3)) == 1
+    assert greedy_decode(S2S, [[4, 5]], max_len=3, check_every=1) is not None
+    assert len(build_model(cfg(), seed=2**63).state_dict()) > 0

@@ -20,7 +20,8 @@ from torch import nn
 
 from ..errors import UsageError
 from .batching import BOS_ID, EOS_ID
-from .seq2seq import memory_mask as memory_mask_of, source_batch, target_limits
+from ..models.checks import check_real
+from .seq2seq import check_seq2seq_args, memory_mask as memory_mask_of, source_batch, target_limits
 from .step import eval_mode, prepare_step, seq2seq_step
 
 
@@ -56,13 +57,17 @@ def beam_search(
     """The ``n_best`` highest-scoring hypotheses (best first) for each source sentence.
 
     ``src`` (B, S) with ``src_mask`` (True = real token), or a list of id lists.
-    ``max_len`` limits generated tokens (eos included); default: source length + 50.
+    ``max_len`` limits generated tokens (eos included); default: source length + 50. An
+    ``eos_id`` outside the vocabulary never occurs: each hypothesis runs to that limit.
     """
+    vocab = check_seq2seq_args(model, bos_id, eos_id)
     if not isinstance(beam_size, int) or beam_size < 1:
         raise UsageError(f"beam_size: {beam_size!r}; expected an integer >= 1")
+    if vocab is not None and beam_size > vocab:
+        raise UsageError(f"beam_size: {beam_size} exceeds the model's vocab_size={vocab}; expected at most that")
     if not isinstance(n_best, int) or not 1 <= n_best <= beam_size:
         raise UsageError(f"n_best: {n_best!r}; expected an integer in [1, beam_size={beam_size}]")
-    if not 0 <= alpha < float("inf"):  # also refuses NaN
+    if not 0 <= check_real(alpha, "alpha") < float("inf"):  # also refuses NaN
         raise UsageError(f"alpha: {alpha}; expected a finite float >= 0")
     src, src_mask = source_batch(model, src, src_mask)
     limits = target_limits(model, src_mask, max_len)

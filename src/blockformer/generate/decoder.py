@@ -13,6 +13,7 @@ sampling needs no host sync, and finished rows are checked every ``check_every``
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 
 import torch
@@ -21,8 +22,10 @@ from torch import nn
 from ..config import ADDITIVE_POSITIONS
 from ..errors import UsageError
 from .batching import PAD_ID, pad_batch, positions_from_mask
-from .sampling import Sampling, choose
-from ..models.checks import trusted_inputs
+from .sampling import Sampling, _choose
+from ..models.checks import (
+    check_callable, check_int, check_model, kind_of, check_seed, check_special_id, trusted_inputs,
+)
 from .step import decode_step, eval_mode, model_device, prepare_step
 
 OnToken = Callable[[int, int], None]  # (row, token id): called as each kept token is made
@@ -66,8 +69,11 @@ def generate(
     sampling = Sampling(temperature, top_k, top_p, do_sample)
     _check_count("max_new_tokens", max_new_tokens)
     _check_count("min_new_tokens", min_new_tokens)
-    if check_every < 1:
-        raise UsageError(f"check_every: {check_every}; expected an integer >= 1")
+    if min_new_tokens > max_new_tokens:
+        raise UsageError(f"min_new_tokens: {min_new_tokens} exceeds max_new_tokens={max_new_tokens}; expected at "
+                         "most that")
+    check_int(check_every, "check_every", 1)
+    stop_sequences = check_decoding_args(model, eos_id, pad_id, seed, generator, on_token, stop, stop_sequences)
     device = model_device(model)
     tokens, mask = _prompt_batch(prompts, attention_mask, pad_id, device)
     _check_prompt_ids(model, tokens, mask)
@@ -106,7 +112,7 @@ def generate(
             if eos_id is not None and i < min_new_tokens:
                 logits = logits.index_fill(1, eos_index, float("-inf"))
             was_done = done
-            tok = torch.where(done, pad_id, choose(logits, sampling, generator))  # (B,)
+            tok = torch.where(done, pad_id, _choose(logits, sampling, generator))  # (B,)
             out[:, i] = tok
             if eos_id is not None:
                 done = done | (tok == eos_id)
@@ -187,7 +193,40 @@ def _trim(rows: list[list[int]], eos_id, stop_sequences, cuts: dict[int, int]) -
     return result
 
 
+def check_decoding_args(
+    model, eos_id, pad_id, seed, generator, on_token, stop, stop_sequences=(), name: str = "model"
+) -> list[list[int]]:
+    """What ``generate`` and ``speculative_generate`` share: a decoder, special ids it knows,
+    a seed or generator, callables, and stop sequences as lists of ids (returned)."""
+    cfg = check_model(model, name, arch="decoder")
+    vocab = cfg.vocab_size if cfg is not None else None
+    if eos_id is not None:
+        check_special_id(eos_id, vocab, "eos_id")
+    check_special_id(pad_id, vocab, "pad_id")
+    check_seed(seed)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: {kind_of(generator)}; expected a torch.Generator or None")
+    check_callable(on_token, "on_token")
+    check_callable(stop, "stop")
+    if isinstance(stop_sequences, (str, bytes)) or not isinstance(stop_sequences, (Sequence, torch.Tensor)):
+        raise TypeError(f"stop_sequences: {kind_of(stop_sequences)}; expected a list of token-id lists "
+                        "(stop strings: TextStream)")
+    out = []
+    for i, s in enumerate(stop_sequences):
+        if isinstance(s, (str, bytes, int)) or not hasattr(s, "__len__"):
+            raise TypeError(f"stop_sequences[{i}]: {s!r}; expected a list of token ids (encode text with the tokenizer)")
+        ids = s.tolist() if hasattr(s, "tolist") else list(s)
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+            raise TypeError(f"stop_sequences[{i}]: expected integer token ids")
+        for t in ids:
+            check_special_id(t, vocab, f"stop_sequences[{i}]")
+        out.append([int(t) for t in ids])
+    return out
+
+
 def _prompt_batch(prompts, attention_mask, pad_id, device) -> tuple[torch.Tensor, torch.Tensor]:
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask: {kind_of(attention_mask)}; expected a bool tensor (batch, length)")
     if not isinstance(prompts, torch.Tensor):
         if attention_mask is not None:
             raise UsageError("attention_mask: only with a tensor of prompts; lists are padded here")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UsageError
+from ..models.checks import check_int, check_real, kind_of
 
 
 @dataclass(frozen=True)
@@ -24,20 +25,39 @@ class Sampling:
     do_sample: bool = True
 
     def __post_init__(self) -> None:
-        if not 0 <= self.temperature < float("inf"):  # also refuses NaN
+        if not 0 <= check_real(self.temperature, "temperature") < float("inf"):  # also refuses NaN
             raise UsageError(f"temperature: {self.temperature}; expected a finite float >= 0")
-        if self.top_k is not None and self.top_k < 1:
-            raise UsageError(f"top_k: {self.top_k}; expected an integer >= 1 or None")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise UsageError(f"top_p: {self.top_p}; expected a float in (0, 1] or None")
+        if self.top_k is not None:
+            check_int(self.top_k, "top_k", 1)
+        if self.top_p is not None:
+            _check_p(self.top_p, "top_p")
+        if not isinstance(self.do_sample, bool):
+            raise TypeError(f"do_sample: {self.do_sample!r}; expected True or False")
 
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0
 
 
+def _check_p(p: object, name: str) -> None:
+    if not 0.0 < check_real(p, name) <= 1.0:  # also refuses NaN
+        raise UsageError(f"{name}: {p}; expected a float in (0, 1]")
+
+
+def _check_logits(logits: object) -> None:
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        what = f"dtype {logits.dtype}" if isinstance(logits, torch.Tensor) else kind_of(logits)
+        raise TypeError(f"logits: {what}; expected a float tensor (batch, vocab)")
+
+
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Keep the ``k`` largest logits of each row (ties with the k-th are kept too)."""
+    _check_logits(logits)
+    check_int(k, "k", 1)
+    return _top_k(logits, k)
+
+
+def _top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     if k >= logits.shape[-1]:
         return logits
     kth = logits.topk(k, dim=-1).values[..., -1:]  # (B, 1)
@@ -50,6 +70,12 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     A token is dropped when the tokens ranked above it already hold at least ``p`` of the
     mass; the most likely token is always kept.
     """
+    _check_logits(logits)
+    _check_p(p, "p")
+    return _top_p(logits, p)
+
+
+def _top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     if p >= 1.0:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -62,15 +88,27 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 def process_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Temperature, then top-k, then top-p, on float32 logits (B, V)."""
+    _check_logits(logits)
+    _check_sampling(sampling)
+    return _process(logits, sampling)
+
+
+def _check_sampling(sampling: object) -> None:
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling: {kind_of(sampling)}; expected a Sampling(temperature, top_k, top_p, do_sample)")
+
+
+def _process(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """``process_logits`` without its checks: what a decode loop calls each step."""
     logits = logits.float()
     if sampling.greedy:
         return logits
     if sampling.temperature != 1.0:
         logits = logits / sampling.temperature
     if sampling.top_k is not None:
-        logits = top_k_filter(logits, sampling.top_k)
+        logits = _top_k(logits, sampling.top_k)
     if sampling.top_p is not None:
-        logits = top_p_filter(logits, sampling.top_p)
+        logits = _top_p(logits, sampling.top_p)
     return logits
 
 
@@ -90,7 +128,14 @@ def choose(
     logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """Next tokens (B,) from next-token logits (B, V)."""
-    logits = process_logits(logits, sampling)
+    _check_logits(logits)
+    _check_sampling(sampling)
+    return _choose(logits, sampling, generator)
+
+
+def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``choose`` without its checks: what a decode loop calls each step."""
+    logits = _process(logits, sampling)
     if sampling.greedy:
         return logits.argmax(dim=-1)
     return sample(logits.softmax(dim=-1), generator)

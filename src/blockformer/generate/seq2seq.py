@@ -15,6 +15,7 @@ from torch import nn
 
 from ..config import ADDITIVE_POSITIONS
 from ..errors import UsageError
+from ..models.checks import check_int, check_model, check_special_id, kind_of
 from .batching import BOS_ID, EOS_ID, PAD_ID, pad_batch
 from .step import eval_mode, model_device, prepare_step, seq2seq_step
 
@@ -36,12 +37,26 @@ def target_limits(model: nn.Module, src_mask: torch.Tensor, max_len: int | None)
     return [min(n, table) for n in limits] if table is not None else limits
 
 
+def check_seq2seq_args(model: nn.Module, bos_id: int, eos_id: int) -> int | None:
+    """An encoder-decoder, a ``bos_id`` it knows and an ``eos_id`` >= 0; its vocabulary size
+    (None for a model without a config). An ``eos_id`` at or above the vocabulary size is
+    never produced, so every sentence runs to its length limit (what a test of whole-length
+    decoding asks for)."""
+    cfg = check_model(model, arch="encoder-decoder")
+    vocab = cfg.vocab_size if cfg is not None else None
+    check_special_id(bos_id, vocab, "bos_id")
+    check_special_id(eos_id, None, "eos_id")
+    return vocab
+
+
 def source_batch(
     model: nn.Module, src: torch.Tensor | Sequence[Sequence[int]], src_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ``(src, src_mask)`` on the model's device, from a tensor or id lists.
     A model whose encoder reads patches or frames takes a float tensor (images or frames)
     and a mask of its real patches or frames (default: all real)."""
+    if src_mask is not None and not isinstance(src_mask, torch.Tensor):
+        raise TypeError(f"src_mask: {kind_of(src_mask)}; expected a bool tensor (batch, length) or None")
     device = model_device(model)
     adapter = getattr(model, "src_embed", None)
     if hasattr(adapter, "default_mask"):  # models/inputs.py
@@ -81,7 +96,10 @@ def greedy_decode(
     compile_mode: str | None = None,
     check_every: int = 8,
 ) -> list[list[int]]:
-    """The most likely next token at each step, for each source sentence (B, S)."""
+    """The most likely next token at each step, for each source sentence (B, S). An
+    ``eos_id`` outside the vocabulary never occurs: each sentence runs to its limit."""
+    check_seq2seq_args(model, bos_id, eos_id)
+    check_int(check_every, "check_every", 1)
     src, src_mask = source_batch(model, src, src_mask)
     limits = target_limits(model, src_mask, max_len)
     B, T, device = src.shape[0], max(limits), src.device

@@ -28,9 +28,10 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from ..models.checks import check_model
 from .batching import PAD_ID
-from .decoder import OnToken, StopFn, _check_count, _check_prompt_ids, _prompt_batch, _window
-from .sampling import Sampling, process_logits, sample
+from .decoder import OnToken, StopFn, _check_count, _check_prompt_ids, _prompt_batch, _window, check_decoding_args
+from .sampling import Sampling, _process, sample
 from .step import cache_dtype, eval_mode, model_device
 
 
@@ -74,6 +75,8 @@ def speculative_generate(
     _check_count("max_new_tokens", max_new_tokens)
     if not isinstance(num_draft, int) or num_draft < 1:
         raise UsageError(f"num_draft: {num_draft!r}; expected an integer >= 1")
+    check_decoding_args(target, eos_id, pad_id, seed, generator, on_token, stop, name="target")
+    check_model(draft, "draft", arch="decoder")
     t_vocab, d_vocab = _vocab(target), _vocab(draft)
     if t_vocab != d_vocab:
         raise UsageError(f"draft: vocabulary of {d_vocab} ids; expected the target's {t_vocab}")
@@ -199,7 +202,7 @@ def _probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Probabilities after temperature / top-k / top-p, over the last dim (float32).
     Greedy keeps the processed logits: only their argmax is read."""
     shape = logits.shape
-    flat = process_logits(logits.reshape(-1, shape[-1]), sampling)
+    flat = _process(logits.reshape(-1, shape[-1]), sampling)
     return (flat if sampling.greedy else flat.softmax(dim=-1)).reshape(shape)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ..models.checks import check_callable, kind_of
+
 Decode = Callable[[list[int]], str]
 
 
@@ -27,6 +29,14 @@ class TextStream:
         write: Callable[[int, str], object] | None = None,
         stop_strings: Sequence[str] = (),
     ) -> None:
+        if not callable(decode):
+            raise TypeError(f"decode: {kind_of(decode)}; expected a function of token ids, e.g. tokenizer.decode")
+        check_callable(write, "write")
+        if isinstance(stop_strings, (str, bytes)) or not isinstance(stop_strings, Sequence):
+            raise TypeError(f"stop_strings: {kind_of(stop_strings)}; expected a list of strings")
+        for i, s in enumerate(stop_strings):
+            if not isinstance(s, str):
+                raise TypeError(f"stop_strings[{i}]: {s!r}; expected a string")
         self.decode, self.write = decode, write
         self.stop_strings = [s for s in stop_strings if s]
         self._ids: dict[int, list[int]] = {}

@@ -73,6 +73,12 @@ def from_hf(source: str | Path | nn.Module, *, tokenizer: str | Path | None = No
 
     ``tokenizer``: a ``tokenizer.json`` (or a directory with one) to use when the source has
     none (Marian ships only sentencepiece files)."""
+    from ..models.checks import kind_of  # noqa: PLC0415
+
+    if not isinstance(source, (str, Path)) and not hasattr(getattr(source, "config", None), "to_dict"):
+        raise TypeError(f"source: {kind_of(source)}; expected a Hugging Face model directory or transformers model")
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        raise TypeError(f"tokenizer: {kind_of(tokenizer)}; expected a path to a tokenizer.json, or None")
     if isinstance(source, nn.Module):
         hf_cfg = source.config.to_dict()
         where = f"<{type(source).__name__}>"
@@ -167,6 +173,14 @@ def to_hf(
     """Write a blockformer checkpoint (or model, with its tokenizer) as a Hugging Face
     directory: ``config.json``, ``model.safetensors`` and, for a ``tokenizers`` tokenizer,
     ``tokenizer.json`` with a ``tokenizer_config.json``."""
+    from ..models.checks import kind_of  # noqa: PLC0415
+
+    if not isinstance(source, (str, Path)) and not isinstance(getattr(source, "cfg", None), TransformerConfig):
+        raise TypeError(f"source: {kind_of(source)}; expected a blockformer checkpoint directory or model")
+    if not isinstance(out, (str, Path)):
+        raise TypeError(f"out: {kind_of(out)}; expected a directory path")
+    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"tokenizer: {kind_of(tokenizer)}; expected a Tokenizer or None")
     if isinstance(source, nn.Module):
         model = source
     else:

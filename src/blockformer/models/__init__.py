@@ -6,6 +6,7 @@ import torch
 
 from ..config import TransformerConfig
 from .base import TransformerModel
+from .checks import check_config, check_seed
 from .decoder import DecoderModel
 from .encoder import EncoderModel
 from .encoder_decoder import EncoderDecoderModel
@@ -21,6 +22,8 @@ def build_model(
     cfg: TransformerConfig, *, seed: int | None = None, device: torch.device | str | None = None
 ) -> TransformerModel:
     """The model ``cfg`` describes, initialised (reproducibly when ``seed`` is given)."""
+    check_config(cfg)
+    check_seed(seed)
     if seed is None:
         model = MODELS[cfg.arch](cfg)
     else:

@@ -14,6 +14,7 @@ from ..nn.kv_cache import KVCache
 from ..nn.loss import head_loss
 from ..nn.moe import MoEFeedForward
 from ..nn.position import RelativeBias
+from .checks import check_targets
 from .head_layers import HeadTransform
 
 
@@ -41,6 +42,7 @@ class TransformerModel(nn.Module):
         if self.cfg.output_scale != 1.0:
             h = h * self.cfg.output_scale  # T5 with tied embeddings: d_model^-0.5
         if targets is not None:
+            check_targets(targets, h[..., 0], self.cfg.vocab_size, label_smoothing)
             return head_loss(h, self.head, targets, label_smoothing)
         return self.head(h)
 

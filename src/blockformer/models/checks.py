@@ -12,11 +12,13 @@ decode loop pays nothing per step.
 from __future__ import annotations
 
 import contextlib
+import numbers
 from collections.abc import Iterator
 
 import torch
 
 from ..config import ADDITIVE_POSITIONS, TransformerConfig
+from ..errors import UsageError
 
 _TRUSTED = [0]  # depth of trusted_inputs() blocks
 
@@ -88,3 +90,116 @@ def check_positions(
         if low < 0 or (table is not None and high >= table):
             raise ValueError(f"positions: {low if low < 0 else high} is outside [0, {table or 'inf'}); expected "
                              f"positions inside the {cfg.position} table (max_seq_len={table})")
+
+
+# ---------------------------------------------------------------------- arguments
+# Plain Python arguments of the public functions (build_model, generate, beam search, ...):
+# a wrong type is a TypeError, a wrong value a UsageError (a ValueError), each naming the
+# argument. They read no tensor values, so they cost nothing.
+
+SEED_RANGE = 2**64  # torch.manual_seed takes [0, 2**64); a negative seed wraps around silently
+
+
+def kind_of(value: object) -> str:
+    """``None`` or ``a list``/``an int``: how a message names a value of the wrong type."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
+
+def check_int(value: object, name: str, low: int | None = None, high: int | None = None) -> int:
+    """``value`` must be an integer (not a bool) in ``[low, high)``; returns it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: {value!r}; expected an integer")
+    if (low is not None and value < low) or (high is not None and value >= high):
+        span = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise UsageError(f"{name}: {value!r}; expected an integer {span}")
+    return int(value)
+
+
+def check_real(value: object, name: str) -> float:
+    """``value`` must be a real number (an int or float, not a bool); returns it as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: {value!r}; expected a float")
+    return float(value)
+
+
+def check_seed(seed: object, name: str = "seed") -> None:
+    """None, or an integer in ``[0, 2**64)`` (what ``torch.manual_seed`` takes)."""
+    if seed is not None:
+        check_int(seed, name, 0, SEED_RANGE)
+
+
+def check_special_id(value: object, vocab_size: int | None, name: str) -> None:
+    """A special id (bos, eos, pad) the model can read and write: ``[0, vocab_size)``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: {value!r}; expected an integer token id")
+    if value < 0 or (vocab_size is not None and value >= vocab_size):
+        raise UsageError(f"{name}: {value} is outside [0, {vocab_size or 'inf'}); expected an id the model knows"
+                         + (f" (below vocab_size={vocab_size})" if vocab_size is not None else ""))
+
+
+def check_callable(fn: object, name: str) -> None:
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name}: {kind_of(fn)}; expected a function or None")
+
+
+def check_config(cfg: object, name: str = "cfg") -> TransformerConfig:
+    """A ``TransformerConfig`` (a run config's model section is ``run.model``)."""
+    if not isinstance(cfg, TransformerConfig):
+        hint = "; pass run.model, its model section" if type(cfg).__name__ == "RunConfig" else \
+            " (TransformerConfig.from_dict turns a dict into one)" if isinstance(cfg, dict) else ""
+        raise TypeError(f"{name}: {kind_of(cfg)}; expected a TransformerConfig{hint}")
+    return cfg
+
+
+def check_model(model: object, name: str = "model", arch: str | None = None) -> TransformerConfig | None:
+    """An ``nn.Module``; with ``arch``, one of that architecture. A module without ``cfg``
+    (a test double, a wrapper) is taken as it is; returns the config when there is one."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{name}: {kind_of(model)}; expected a blockformer model (build_model(cfg) or a checkpoint's "
+                        f".model)")
+    cfg = getattr(model, "cfg", None)
+    cfg = cfg if isinstance(cfg, TransformerConfig) else None
+    if arch is not None:
+        kind = cfg.arch if cfg is not None else None
+        if kind is None and arch == "encoder-decoder" and not hasattr(model, "encode"):
+            kind = type(model).__name__
+        if kind is not None and kind != arch:
+            use = "generate()" if kind == "decoder" else "greedy_decode() or beam_search()"
+            art = "an" if kind[0] in "aeiou" else "a"
+            raise TypeError(f"{name}: {art} {kind} model; expected {'an' if arch[0] in 'aeiou' else 'a'} {arch} "
+                            f"model" + (f" (use {use})" if kind in ("decoder", "encoder-decoder") else ""))
+    return cfg
+
+
+def check_targets(targets: object, tokens: torch.Tensor, vocab_size: int, label_smoothing: object) -> None:
+    """``targets`` (B, T) ids like ``tokens``, and ``label_smoothing`` in ``[0, 1)``."""
+    check_ids(targets, vocab_size, "targets")
+    assert isinstance(targets, torch.Tensor)
+    if tuple(targets.shape) != tuple(tokens.shape):
+        raise UsageError(f"targets: shape {tuple(targets.shape)}; expected {tuple(tokens.shape)}, one target per "
+                         f"input token")
+    eps = check_real(label_smoothing, "label_smoothing")
+    if not 0.0 <= eps < 1.0:  # also refuses NaN
+        raise UsageError(f"label_smoothing: {eps}; expected a float in [0, 1)")
+
+
+def check_batch(tokens: torch.Tensor, batch: int, name: str, like: str) -> None:
+    if tokens.shape[0] != batch:
+        raise UsageError(f"{name}: batch of {tokens.shape[0]}; expected {batch} like {like}")
+
+
+def check_memory(memory: object, tgt: torch.Tensor, src_mask: object, d_model: int) -> None:
+    """The encoder's output for ``decode``: a float (batch, length, d_model) tensor with the
+    target's batch, and ``src_mask`` (batch, length) beside it."""
+    if not isinstance(memory, torch.Tensor):
+        raise TypeError(f"memory: {kind_of(memory)}; expected a float tensor (batch, length, d_model), model.encode(src)")
+    if not memory.is_floating_point():
+        raise TypeError(f"memory: dtype {memory.dtype}; expected a float tensor, the encoder's output")
+    if memory.dim() != 3 or memory.shape[-1] != d_model:
+        raise UsageError(f"memory: shape {tuple(memory.shape)}; expected (batch, length, d_model={d_model}), "
+                         f"model.encode(src)")
+    check_batch(memory, tgt.shape[0], "memory", "tgt")
+    check_mask(src_mask, memory[..., 0], "src_mask")

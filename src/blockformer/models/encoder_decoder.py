@@ -12,7 +12,7 @@ from ..config import TransformerConfig
 from ..nn.kv_cache import KVCache
 from ..nn.stack import Stack
 from .base import TransformerModel, default_positions
-from .checks import check_ids, check_mask, check_positions
+from .checks import check_batch, check_ids, check_mask, check_memory, check_positions
 from .embedding import Embedding
 from .inputs import build_input, stack_config
 
@@ -73,6 +73,8 @@ class EncoderDecoderModel(TransformerModel):
             raise ValueError("decode needs the encoder output (memory) or a filled cache")
         check_ids(tgt, self.cfg.vocab_size, "tgt", values=cache is None)
         check_mask(tgt_mask, tgt, "tgt_mask")
+        if memory is not None:
+            check_memory(memory, tgt, src_mask, self.cfg.d_model)
         if cache is None:
             check_positions(self.cfg, tgt, positions, "tgt")
         positions = default_positions(tgt, cache_pos) if positions is None else positions
@@ -93,6 +95,9 @@ class EncoderDecoderModel(TransformerModel):
     ) -> torch.Tensor:
         """(src (B, S), target shifted right (B, T)) -> logits (B, T, vocab); with
         ``targets`` (B, T), the summed cross-entropy against them instead (padding excluded)."""
+        check_ids(tgt, self.cfg.vocab_size, "tgt", values=False)
+        if isinstance(src, torch.Tensor) and src.dim() >= 1:
+            check_batch(tgt, src.shape[0], "tgt", "src")
         memory = self.encode(src, src_mask)
         return self.decode(tgt, memory, self.hidden_mask(src_mask), tgt_mask=tgt_mask, targets=targets,
                            label_smoothing=label_smoothing)

@@ -182,6 +182,15 @@ class TrainConfig:
                 raise UsageError(f"train.{name}={getattr(self, name)!r}: expected an integer >= 0")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise UsageError(f"train.label_smoothing={self.label_smoothing!r}: expected a float in [0, 1)")
+        for name in ("beta1", "beta2"):  # torch would say only "Invalid beta parameter at index 0"
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UsageError(f"train.{name}={getattr(self, name)!r}: expected a float in [0, 1)")
+        for name in ("weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"train.{name}={getattr(self, name)!r}: expected a float >= 0 (0 = off)")
+        for name in ("seed", "samples", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"train.{name}={getattr(self, name)!r}: expected an integer >= 0")
         if self.schedule == "noam" and self.warmup == 0:
             raise UsageError("train.warmup=0: expected an integer >= 1 with schedule='noam'")
 
@@ -327,7 +336,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise UsageError(f"{path}: config file not found")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is skipped
     except UnicodeDecodeError as e:
         raise UsageError(f"{path}: not UTF-8 text (byte {e.start}); expected a TOML file saved as UTF-8") from None
     if not text.strip():

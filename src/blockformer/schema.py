@@ -21,7 +21,7 @@ def read_if_path(text_or_path: str | Path) -> str:
     if isinstance(text_or_path, Path) or (
         isinstance(text_or_path, str) and "\n" not in text_or_path and Path(text_or_path).is_file()
     ):
-        return Path(text_or_path).read_text(encoding="utf-8")
+        return Path(text_or_path).read_text(encoding="utf-8-sig")  # a byte-order mark is skipped
     return str(text_or_path)
 
 

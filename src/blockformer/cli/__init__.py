@@ -78,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
             return int(e.code or 0)
         return 2
     name = argv[0]
-    module = importlib.import_module(f".{COMMANDS[name][0]}", __name__)
+    try:  # the import loads torch, which takes seconds: a Ctrl-C then is an interrupt too
+        module = importlib.import_module(f".{COMMANDS[name][0]}", __name__)
+    except KeyboardInterrupt:
+        print(f"blockformer {name}: interrupted", file=sys.stderr)
+        return 130
     parser = _Parser(prog=f"blockformer {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)
     try:

@@ -1,0 +1,70 @@
+"""Run-config values that used to pass silently (or fail deep inside torch) are refused
+when the config is built, naming the key; a TOML file with a byte-order mark is read; a
+Ctrl-C while the command line loads torch ends in one line and exit 130 (issue 21)."""
+
+import pytest
+
+from blockformer import TransformerConfig
+from blockformer.cli import main
+from blockformer.run_config import load_run_config, read_toml
+
+REFUSED = [
+    ("train.seed=-1", "train.seed=-1: expected an integer >= 0"),
+    ("train.weight_decay=-0.1", r"train.weight_decay=-0.1: expected a float >= 0"),
+    ("train.grad_clip=-1", r"train.grad_clip=-1.0: expected a float >= 0"),
+    ("train.samples=-1", "train.samples=-1: expected an integer >= 0"),
+    ("train.sample_tokens=-5", "train.sample_tokens=-5: expected an integer >= 0"),
+    ("train.beta1=1.5", r"train.beta1=1.5: expected a float in \[0, 1\)"),
+    ("train.beta1=-0.1", r"train.beta1=-0.1: expected a float in \[0, 1\)"),
+    ("train.beta2=1.0", r"train.beta2=1.0: expected a float in \[0, 1\)"),
+    ("train.label_smoothing=nan", "label_smoothing=nan: expected a finite number"),
+    ("train.label_smoothing=1.0", r"train.label_smoothing=1.0: expected a float in \[0, 1\)"),
+    ("train.label_smoothing=-0.1", r"train.label_smoothing=-0.1: expected a float in \[0, 1\)"),
+]
+
+
+@pytest.mark.parametrize("override, message", REFUSED)
+def test_bad_training_values_are_refused_naming_the_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_run_config(overrides=[override])
+
+
+@pytest.mark.parametrize("override", ["train.seed=0", "train.weight_decay=0", "train.grad_clip=0", "train.samples=0",
+                                      "train.sample_tokens=0", "train.beta1=0.0", "train.beta2=0.999",
+                                      "train.label_smoothing=0.1"])
+def test_the_edges_of_those_ranges_are_accepted(override):
+    section, rest = override.split(".", 1)
+    key, value = rest.split("=")
+    assert getattr(load_run_config(overrides=[override]).train, key) == float(value)
+
+
+def test_the_command_line_refuses_a_bad_beta_in_one_line(capsys):
+    assert main(["train", "--set", "train.beta1=1.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train.beta1=1.5" in err and "Invalid beta" not in err
+
+
+def test_a_toml_file_with_a_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_bytes(b"\xef\xbb\xbf[train]\nsteps = 7\n")
+    assert read_toml(path) == {"train": {"steps": 7}}
+    assert load_run_config(config=path).train.steps == 7
+    model = tmp_path / "model.toml"
+    model.write_bytes("\ufeff".encode() + TransformerConfig(d_model=32, n_heads=2).to_toml().encode())
+    assert TransformerConfig.from_toml(model).d_model == 32
+
+
+def test_ctrl_c_while_the_command_loads_is_one_line_and_exit_130(monkeypatch, capsys):
+    import blockformer.cli as cli
+
+    def interrupted(name, package=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+    try:
+        code = main(["train", "--preset", "char-lm-tiny"])
+    except KeyboardInterrupt:
+        pytest.fail("the KeyboardInterrupt escaped main(): a traceback")
+    assert code == 130
+    err = capsys.readouterr().err
+    assert err == "blockformer train: interrupted\n"

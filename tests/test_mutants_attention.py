@@ -180,13 +180,18 @@ def test_gqa_with_a_kv_cache_decodes_like_the_full_sequence():
 
 
 def test_gqa_cross_attention_reads_its_own_kv_group():
+    """From the encoder output, and when decoding from the keys and values the first call cached."""
     torch.manual_seed(0)
     attn = Attention(config(n_heads=4, n_kv_heads=2), cross=True).eval()
     x, memory = torch.randn(2, 3, 32), torch.randn(2, 6, 32)
     valid = torch.tensor([[True] * 6, [True] * 2 + [False] * 4])
+    mask = valid[:, None, None, :]
+    ref = reference_attention(attn, x, memory=memory, key_valid=valid)
+    cache = KVCache(1, 2, 4, 2, attn.head_dim)
     with torch.no_grad():
-        y = attn(x, AttnInputs(mask=valid[:, None, None, :], memory=memory))
-        torch.testing.assert_close(y, reference_attention(attn, x, memory=memory, key_valid=valid),
+        torch.testing.assert_close(attn(x, AttnInputs(mask=mask, memory=memory)), ref, rtol=1e-5, atol=1e-5)
+        attn(x[:, :1], AttnInputs(mask=mask, memory=memory, cache=cache))  # the first step fills the cache
+        torch.testing.assert_close(attn(x[:, 1:], AttnInputs(mask=mask, cache=cache)), ref[:, 1:],
                                    rtol=1e-5, atol=1e-5)
 
 

@@ -326,3 +326,98 @@ def test_a_legacy_pickle_bin_is_refused_too(tmp_path, marker, capsys):
     _assert_one_line(*_run(["convert", "--from-hf", str(d), "--out", str(tmp_path / "out")], capsys),
                      "pytorch_model.bin")
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------------- shard indexes and config.json
+def _convert_refused(d: Path, tmp_path: Path, capsys, *names: str) -> None:
+    with pytest.raises(UsageError):
+        from_hf(d)
+    _assert_one_line(*_run(["convert", "--from-hf", str(d), "--out", str(tmp_path / "out")], capsys), *names)
+
+
+@pytest.mark.parametrize("ext", ["safetensors", "bin"])
+@pytest.mark.parametrize("where", ["parent", "absolute", "nested-parent"])
+def test_a_shard_index_naming_a_file_outside_the_directory_is_refused(tmp_path, capsys, ext, where):
+    d = _hf_dir(tmp_path / "hf")
+    shard = _shard(d, ext)[0]
+    outside = tmp_path / f"outside.{ext}"
+    shutil.copy(d / shard, outside)  # a readable file: only its place is wrong
+    name = {"parent": f"../outside.{ext}", "absolute": str(outside), "nested-parent": f"sub/../../outside.{ext}"}[where]
+    index = d / ("model.safetensors.index.json" if ext == "safetensors" else "pytorch_model.bin.index.json")
+    data = json.loads(index.read_text())
+    entry = next(k for k, v in data["weight_map"].items() if v == shard)
+    data["weight_map"][entry] = name
+    index.write_text(json.dumps(data))
+    _convert_refused(d, tmp_path, capsys, index.name, entry, "leaves the model directory")
+
+
+INDEX_DAMAGE = {
+    "not an object": lambda data: [1, 2],
+    "no weight_map": lambda data: {"metadata": {}},
+    "weight_map a list": lambda data: {"weight_map": list(data["weight_map"])},
+    "a shard name not a string": lambda data: {"weight_map": {**data["weight_map"], "extra": 5}},
+    "a tensor name not a string": lambda data: {"weight_map": {k: [v] for k, v in data["weight_map"].items()}},
+    "missing shard": lambda data: {"weight_map": {**data["weight_map"], "extra": "model-00009-of-00009.safetensors"}},
+}
+
+
+@pytest.mark.parametrize("damage", list(INDEX_DAMAGE))
+def test_a_malformed_shard_index_is_one_line(tmp_path, capsys, damage):
+    d = _hf_dir(tmp_path / "hf")
+    _shard(d, "safetensors")
+    index = d / "model.safetensors.index.json"
+    index.write_text(json.dumps(INDEX_DAMAGE[damage](json.loads(index.read_text()))))
+    _convert_refused(d, tmp_path, capsys, index.name, *(["model-00009-of-00009"] if damage == "missing shard" else []))
+
+
+# A valid config.json for each family (the fields it must have); every field it reads, given
+# a list, an object or a string where it expects something else, is one line naming the field.
+BASES = {
+    "gpt2": {"vocab_size": 24, "n_embd": 16, "n_layer": 1, "n_head": 2, "n_positions": 16},
+    "llama": {"vocab_size": 24, "hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1,
+              "intermediate_size": 32, "max_position_embeddings": 16},
+    "bert": {"vocab_size": 24, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "intermediate_size": 32, "max_position_embeddings": 16},
+    "t5": {"vocab_size": 24, "d_model": 16, "num_heads": 2, "d_kv": 8, "num_layers": 1, "d_ff": 32},
+    "bart": {"vocab_size": 24, "d_model": 16, "encoder_layers": 1, "decoder_layers": 1,
+             "encoder_attention_heads": 2, "encoder_ffn_dim": 32, "max_position_embeddings": 16},
+}
+BASES["marian"] = BASES["bart"]
+OPTIONAL = {
+    "gpt2": ["scale_attn_by_inverse_layer_idx", "add_cross_attention", "activation_function", "n_inner",
+             "layer_norm_epsilon", "tie_word_embeddings", "scale_attn_weights"],
+    "llama": ["hidden_act", "attention_bias", "mlp_bias", "head_dim", "sliding_window", "num_key_value_heads",
+              "rms_norm_eps", "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters"],
+    "bert": ["position_embedding_type", "is_decoder", "hidden_act", "layer_norm_eps", "type_vocab_size"],
+    "t5": ["feed_forward_proj", "tie_word_embeddings", "scale_decoder_outputs", "num_decoder_layers",
+           "n_positions", "layer_norm_epsilon", "relative_attention_num_buckets", "relative_attention_max_distance"],
+    "bart": ["decoder_attention_heads", "decoder_ffn_dim", "normalize_before", "add_final_layer_norm",
+             "activation_function", "tie_word_embeddings", "scale_embedding"],
+    "marian": ["normalize_embedding", "share_encoder_decoder_embeddings"],
+}
+
+
+@pytest.mark.parametrize("family", list(BASES))
+def test_config_fields_of_the_wrong_json_type_are_named(family):
+    from blockformer.interop.families import family_for_model_type
+
+    fam = family_for_model_type(family, "config.json")
+    fam.config_from_hf(BASES[family], lambda name: False, "config.json")  # the base is valid
+    for key in [*BASES[family], *OPTIONAL[family]]:
+        for bad in ([], {}, "x", [1]):
+            if bad == {} and key.startswith("rope_"):  # an empty object: no scaling, the default theta
+                continue
+            hf = {**BASES[family], key: bad}
+            with pytest.raises(UsageError, match=f"config.json: {key}=") as e:
+                fam.config_from_hf(hf, lambda name: False, "config.json")
+            assert len(str(e.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("field, value", [("model_type", []), ("model_type", {}), ("hidden_size", "x"),
+                                          ("vocab_size", {}), ("num_attention_heads", 2.5), ("rms_norm_eps", "1e-6"),
+                                          ("tie_word_embeddings", "false"), ("rope_scaling", ["linear"])])
+def test_convert_names_a_config_field_of_the_wrong_type(tmp_path, capsys, field, value):
+    d = _hf_dir(tmp_path / "hf")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, field: value}))
+    _convert_refused(d, tmp_path, capsys, "config.json", field)

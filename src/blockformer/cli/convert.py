@@ -3,6 +3,10 @@
     blockformer convert --from-hf path/to/hf-model --out runs/imported
     blockformer convert --to-hf runs/imported --out path/to/hf-export
 
+``--out`` must be new or empty: it is written whole, and ``--overwrite`` replaces what it
+held (a run directory, a checkpoint, anything), but never the source or a directory that
+holds it or lies inside it.
+
 Import writes an ordinary blockformer checkpoint (``generate``, ``translate``, ``eval``
 read it); export writes ``config.json`` + ``model.safetensors`` (+ the tokenizer) that
 ``transformers.AutoModelFor...from_pretrained`` loads. Families: GPT-2, Llama/Mistral,
@@ -21,22 +25,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--from-hf", metavar="DIR", help="a Hugging Face model directory (config.json + weights)")
     group.add_argument("--to-hf", metavar="CKPT", help="a blockformer checkpoint or run directory")
-    parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write (new or empty)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace what --out holds (never the source, nor a directory around or inside it)")
     parser.add_argument("--tokenizer", metavar="FILE",
                         help="--from-hf: a tokenizer.json to use when DIR has none (Marian ships only sentencepiece)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..interop import from_hf, to_hf  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
 
+    from ..interop import from_hf, to_hf  # noqa: PLC0415
+    from ..interop.convert import check_target  # noqa: PLC0415
+
+    # Checked before converting: --out is replaced whole, so it must hold nothing the user keeps.
+    check_target(Path(args.out), Path(args.to_hf or args.from_hf), overwrite=args.overwrite, flag="--out")
     if args.to_hf is not None:
         if args.tokenizer:
             raise UsageError("--tokenizer: only with --from-hf; --to-hf writes the checkpoint's own tokenizer")
-        out = to_hf(args.to_hf, args.out)
+        out = to_hf(args.to_hf, args.out, overwrite=args.overwrite)
         print(f"wrote a Hugging Face model -> {out}")
         return 0
-    from pathlib import Path  # noqa: PLC0415
-
     from ..run_config import DataConfig, RunConfig  # noqa: PLC0415
     from ..train.checkpoint import save_checkpoint  # noqa: PLC0415
 

@@ -94,7 +94,7 @@ def from_hf(source: str | Path | nn.Module, *, tokenizer: str | Path | None = No
         family = family_for_model_type(hf_cfg["model_type"], where)
         weights = HFWeights(directory, family.prefix, family.outside)
         tok_dir = directory
-    cfg = family.config_from_hf(hf_cfg, weights.has, where)
+    cfg = _config_from_hf(family, hf_cfg, weights.has, where)
     found = None
     if tokenizer is not None:
         tok_path = Path(tokenizer)
@@ -108,6 +108,17 @@ def from_hf(source: str | Path | nn.Module, *, tokenizer: str | Path | None = No
     model = build_model(cfg)
     _load(model, family, weights, vmap)
     return Imported(model=model.eval(), tokenizer=tok, config=cfg, family=family.name, vocab=vmap)
+
+
+def _config_from_hf(family: Family, hf_cfg: dict, has, where: str) -> TransformerConfig:
+    """The family's reading of ``config.json``; a value the model config refuses is named
+    with the file it came from."""
+    try:
+        return family.config_from_hf(hf_cfg, has, where)
+    except UsageError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"{where}: {e}") from None
 
 
 def _params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -168,11 +179,12 @@ def _their_shapes(rule: Rule, shape: torch.Size, vmap: VocabMap, cfg: Transforme
 
 # ---------------------------------------------------------------------- export
 def to_hf(
-    source: str | Path | nn.Module, out: str | Path, *, tokenizer: Tokenizer | None = None
+    source: str | Path | nn.Module, out: str | Path, *, tokenizer: Tokenizer | None = None, overwrite: bool = False
 ) -> Path:
     """Write a blockformer checkpoint (or model, with its tokenizer) as a Hugging Face
     directory: ``config.json``, ``model.safetensors`` and, for a ``tokenizers`` tokenizer,
-    ``tokenizer.json`` with a ``tokenizer_config.json``."""
+    ``tokenizer.json`` with a ``tokenizer_config.json``. ``out`` must be new or empty (or,
+    with ``overwrite``, is replaced whole), and never the source or a directory around it."""
     from ..models.checks import kind_of  # noqa: PLC0415
 
     if not isinstance(source, (str, Path)) and not isinstance(getattr(source, "cfg", None), TransformerConfig):
@@ -181,6 +193,7 @@ def to_hf(
         raise TypeError(f"out: {kind_of(out)}; expected a directory path")
     if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer: {kind_of(tokenizer)}; expected a Tokenizer or None")
+    check_target(Path(out), None if isinstance(source, nn.Module) else Path(source), overwrite=overwrite)
     if isinstance(source, nn.Module):
         model = source
     else:
@@ -201,15 +214,48 @@ def to_hf(
     tensors = _export_tensors(model, family, vmap)
     tensors.update(family.extra(cfg))
     ids = hf_special_ids(tokenizer, vmap) if tokenizer is not None else {r: i for i, r in enumerate(("pad", "bos", "eos", "unk"))}
-    out = Path(out)
-    write_hf_dir(out, family.config_to_hf(cfg, ids), tensors)
+    files = {}
     if isinstance(tokenizer, BPETokenizer):
-        (out / FILE_NAME).write_text(tokenizer.hf.to_str(pretty=True), encoding="utf-8")
         names = {r: tokenizer.hf.id_to_token(i) for r, i in ids.items()}
         tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
                    **{f"{r}_token": n for r, n in names.items()}}
-        (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n", encoding="utf-8")
+        files = {FILE_NAME: tokenizer.hf.to_str(pretty=True), "tokenizer_config.json": json.dumps(tok_cfg, indent=2) + "\n"}
+    out = Path(out)
+    write_hf_dir(out, family.config_to_hf(cfg, ids), tensors, files)
     return out
+
+
+def check_target(out: Path, source: Path | None, *, overwrite: bool, flag: str = "out") -> None:
+    """Refuse an output directory whose replacement would destroy what the user did not
+    name: the source, or a directory holding it or inside it (always); a file (always); a
+    directory holding anything (unless ``overwrite``). A new or empty directory is fine."""
+    how = "pass --overwrite" if flag.startswith("--") else "pass overwrite=True"
+    if source is not None:
+        o, s = out.resolve(), source.resolve()
+        if o == s or o.is_relative_to(s) or s.is_relative_to(o):
+            relation = "is" if o == s else "is inside" if o.is_relative_to(s) else "holds"
+            raise UsageError(f"{flag} {out}: {relation} the source {source}; expected a directory outside it")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{flag} {out}: is a file; expected a directory to write (a new name, or an empty one)")
+    what = _contents(out)
+    if what and not overwrite:
+        raise UsageError(f"{flag} {out}: already holds {what}, which writing there would replace; expected a new "
+                         f"or empty directory ({how} to replace it)")
+
+
+def _contents(directory: Path) -> str:
+    """What a directory holds, as a few words ('' when it is missing or empty)."""
+    from ..train.checkpoint import step_checkpoints  # noqa: PLC0415
+
+    entries = sorted(directory.iterdir()) if directory.is_dir() else []
+    if not entries:
+        return ""
+    n = len(step_checkpoints(directory))
+    if n:
+        return f"{n} checkpoint{'s' * (n != 1)} of a training run"
+    if (directory / CONFIG).is_file():  # a checkpoint, or a Hugging Face model
+        return f"a model ({', '.join(p.name for p in entries[:3])}{', ...' if len(entries) > 3 else ''})"
+    return f"{len(entries)} entr{'ies' if len(entries) != 1 else 'y'} ({entries[0].name}{', ...' if len(entries) > 1 else ''})"
 
 
 def _extend(order, size: int):

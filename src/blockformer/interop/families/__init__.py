@@ -7,6 +7,7 @@ else is refused, naming the field), and its key map (``rules``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -65,10 +66,61 @@ def neutral(*free: str) -> dict[str, tuple]:
     return {k: v for k, v in NEUTRAL.items() if k not in free}
 
 
-def need(hf: dict, key: str, where: str) -> Any:
-    if key not in hf or hf[key] is None:
+_ABSENT = object()
+
+
+def need(hf: dict, key: str, where: str) -> int:
+    """A required size or count: an integer >= 1."""
+    return integer(hf, key, where)
+
+
+def integer(hf: dict, key: str, where: str, default: Any = _ABSENT, minimum: int = 1) -> Any:
+    """``hf[key]`` as an integer >= ``minimum``; ``default`` when it is absent or null
+    (without a default, it must be there)."""
+    if hf.get(key) is None:
+        return _default(key, where, default)
+    value = hf[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise UsageError(f"{where}: {key}={value!r}; expected an integer >= {minimum}")
+    return value
+
+
+def number(hf: dict, key: str, where: str, default: float) -> float:
+    """``hf[key]`` as a finite real number; ``default`` when absent or null."""
+    value = hf[key] if hf.get(key) is not None else default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise UsageError(f"{where}: {key}={value!r}; expected a number")
+    return float(value)
+
+
+def flag(hf: dict, key: str, where: str, default: bool) -> bool:
+    """``hf[key]`` as true or false; ``default`` when absent or null."""
+    value = hf[key] if hf.get(key) is not None else default
+    if not isinstance(value, bool):
+        raise UsageError(f"{where}: {key}={value!r}; expected true or false")
+    return value
+
+
+def text(hf: dict, key: str, where: str, default: str) -> str:
+    """``hf[key]`` as a string; ``default`` when absent or null."""
+    value = hf[key] if hf.get(key) is not None else default
+    if not isinstance(value, str):
+        raise UsageError(f"{where}: {key}={value!r}; expected a string")
+    return value
+
+
+def mapping(hf: dict, key: str, where: str) -> dict:
+    """``hf[key]`` as a JSON object; empty when absent or null."""
+    value = hf[key] if hf.get(key) is not None else {}
+    if not isinstance(value, dict):
+        raise UsageError(f"{where}: {key}={value!r}; expected a JSON object (or null)")
+    return value
+
+
+def _default(key: str, where: str, default: Any) -> Any:
+    if default is _ABSENT:
         raise UsageError(f"{where}: missing {key!r}; expected it in a Hugging Face config.json")
-    return hf[key]
+    return default
 
 
 def refuse(where: str, key: str, value: Any, why: str) -> UsageError:
@@ -91,7 +143,7 @@ ACTIVATIONS = {  # Hugging Face activation name -> (ffn, gelu_approximate)
 
 
 def activation_from_hf(name: Any, key: str, where: str) -> tuple[str, str]:
-    if name not in ACTIVATIONS:
+    if not isinstance(name, str) or name not in ACTIVATIONS:
         raise refuse(where, key, name, f"expected one of {', '.join(ACTIVATIONS)}")
     return ACTIVATIONS[name]
 
@@ -110,7 +162,7 @@ def _registry() -> dict[str, Family]:
 
 def family_for_model_type(model_type: Any, where: str) -> Family:
     registry = _registry()
-    if model_type not in registry:
+    if not isinstance(model_type, str) or model_type not in registry:
         raise UsageError(
             f"{where}: model_type={model_type!r} is not supported; expected one of {', '.join(sorted(registry))}"
         )

@@ -14,18 +14,18 @@ import torch
 from ...config import TransformerConfig
 from ...nn.position import sinusoidal_table
 from ..rules import Rule, linear, norm
-from . import Family, activation_from_hf, activation_to_hf, equal_or_refuse, need, neutral, refuse
+from . import Family, activation_from_hf, activation_to_hf, equal_or_refuse, flag, need, neutral, refuse, text
 
 
 def _config_from_hf(hf: dict, has, where: str, marian: bool) -> TransformerConfig:
     for a, b in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
         equal_or_refuse(hf, a, b, where)
     for key in ("normalize_before", "add_final_layer_norm", "normalize_embedding" if marian else ""):
-        if key and hf.get(key):
+        if key and flag(hf, key, where, False):
             raise refuse(where, key, hf[key], "blockformer imports the Post-Norm layout of this family")
-    if marian and hf.get("share_encoder_decoder_embeddings", True) is False:
+    if marian and not flag(hf, "share_encoder_decoder_embeddings", where, True):
         raise refuse(where, "share_encoder_decoder_embeddings", False, "blockformer's source and target share one vocabulary here")
-    ffn, approx = activation_from_hf(hf.get("activation_function", "gelu"), "activation_function", where)
+    ffn, approx = activation_from_hf(text(hf, "activation_function", where, "gelu"), "activation_function", where)
     return TransformerConfig(
         arch="encoder-decoder", vocab_size=need(hf, "vocab_size", where), d_model=need(hf, "d_model", where),
         n_layers=need(hf, "encoder_layers", where), n_encoder_layers=need(hf, "encoder_layers", where),
@@ -34,8 +34,8 @@ def _config_from_hf(hf: dict, has, where: str, marian: bool) -> TransformerConfi
         norm="layer", norm_eps=1e-5, norm_position="post", ffn=ffn, gelu_approximate=approx,
         position="sinusoidal" if marian else "learned", sinusoid_layout="split" if marian else "interleaved",
         position_offset=0 if marian else 2, embedding_norm=not marian, bias=True,
-        tie_embeddings=hf.get("tie_word_embeddings", True) is not False,
-        scale_embeddings=bool(hf.get("scale_embedding", False)), head_bias=True,
+        tie_embeddings=flag(hf, "tie_word_embeddings", where, True),
+        scale_embeddings=flag(hf, "scale_embedding", where, False), head_bias=True,
     )
 
 

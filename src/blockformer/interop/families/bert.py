@@ -13,24 +13,24 @@ import torch
 from ...config import TransformerConfig
 from ...errors import UsageError
 from ..rules import Rule, linear, norm
-from . import Family, neutral, activation_from_hf, activation_to_hf, need, refuse
+from . import Family, activation_from_hf, activation_to_hf, flag, integer, need, neutral, number, refuse, text
 
 HEAD = "cls.predictions."
 
 
 def config_from_hf(hf: dict, has, where: str) -> TransformerConfig:
-    if hf.get("position_embedding_type", "absolute") != "absolute":
+    if text(hf, "position_embedding_type", where, "absolute") != "absolute":
         raise refuse(where, "position_embedding_type", hf["position_embedding_type"], "expected absolute")
-    if hf.get("is_decoder"):
+    if flag(hf, "is_decoder", where, False):
         raise refuse(where, "is_decoder", True, "blockformer imports BERT as an encoder")
-    ffn, approx = activation_from_hf(hf.get("hidden_act", "gelu"), "hidden_act", where)
+    ffn, approx = activation_from_hf(text(hf, "hidden_act", where, "gelu"), "hidden_act", where)
     return TransformerConfig(
         arch="encoder", vocab_size=need(hf, "vocab_size", where), d_model=need(hf, "hidden_size", where),
         n_layers=need(hf, "num_hidden_layers", where), n_heads=need(hf, "num_attention_heads", where),
         d_ff=need(hf, "intermediate_size", where), max_seq_len=need(hf, "max_position_embeddings", where),
-        norm="layer", norm_eps=hf.get("layer_norm_eps", 1e-12), norm_position="post", ffn=ffn,
+        norm="layer", norm_eps=number(hf, "layer_norm_eps", where, 1e-12), norm_position="post", ffn=ffn,
         gelu_approximate=approx, position="learned", bias=True, tie_embeddings=True, scale_embeddings=False,
-        n_token_types=hf.get("type_vocab_size", 2), embedding_norm=True,
+        n_token_types=integer(hf, "type_vocab_size", where, 2, minimum=0), embedding_norm=True,
         head_transform=has(HEAD + "transform.dense.weight"), head_bias=has(HEAD + "transform.dense.weight"),
         pooler=has("bert.pooler.dense.weight"),
     )

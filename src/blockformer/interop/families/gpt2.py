@@ -8,24 +8,24 @@ from __future__ import annotations
 
 from ...config import TransformerConfig
 from ..rules import Rule, linear, norm
-from . import NEUTRAL, Family, activation_from_hf, activation_to_hf, need, refuse
+from . import NEUTRAL, Family, activation_from_hf, activation_to_hf, flag, integer, need, number, refuse, text
 
 
 def config_from_hf(hf: dict, has, where: str) -> TransformerConfig:
-    if hf.get("scale_attn_by_inverse_layer_idx"):
+    if flag(hf, "scale_attn_by_inverse_layer_idx", where, False):
         raise refuse(where, "scale_attn_by_inverse_layer_idx", True, "blockformer scales every layer alike")
-    if hf.get("add_cross_attention"):
+    if flag(hf, "add_cross_attention", where, False):
         raise refuse(where, "add_cross_attention", True, "a GPT-2 with cross-attention is not a decoder-only model")
-    ffn, approx = activation_from_hf(hf.get("activation_function", "gelu_new"), "activation_function", where)
+    ffn, approx = activation_from_hf(text(hf, "activation_function", where, "gelu_new"), "activation_function", where)
     d_model = need(hf, "n_embd", where)
     return TransformerConfig(
         arch="decoder", vocab_size=need(hf, "vocab_size", where), d_model=d_model,
         n_layers=need(hf, "n_layer", where), n_heads=need(hf, "n_head", where),
-        d_ff=hf.get("n_inner") or 4 * d_model, max_seq_len=need(hf, "n_positions", where),
-        norm="layer", norm_eps=hf.get("layer_norm_epsilon", 1e-5), norm_position="pre",
+        d_ff=integer(hf, "n_inner", where, 4 * d_model), max_seq_len=need(hf, "n_positions", where),
+        norm="layer", norm_eps=number(hf, "layer_norm_epsilon", where, 1e-5), norm_position="pre",
         ffn=ffn, gelu_approximate=approx, position="learned", bias=True,
-        tie_embeddings=hf.get("tie_word_embeddings", True), scale_embeddings=False,
-        attention_scale=None if hf.get("scale_attn_weights", True) else 1.0,
+        tie_embeddings=flag(hf, "tie_word_embeddings", where, True), scale_embeddings=False,
+        attention_scale=None if flag(hf, "scale_attn_weights", where, True) else 1.0,
     )
 
 

@@ -10,36 +10,38 @@ from __future__ import annotations
 
 from ...config import TransformerConfig
 from ..rules import Rule, linear, norm
-from . import NEUTRAL, Family, need, refuse
+from . import NEUTRAL, Family, flag, integer, mapping, need, number, refuse, text
 
 
 def _rope_theta(hf: dict, where: str) -> float:
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
+    params, scaling = mapping(hf, "rope_parameters", where), mapping(hf, "rope_scaling", where)
     kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if kind != "default":
         raise refuse(where, "rope_scaling", kind, "blockformer imports unscaled rope only")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if "rope_theta" in params:
+        return number(params, "rope_theta", f"{where}: rope_parameters", 10000.0)
+    return number(hf, "rope_theta", where, 10000.0)
 
 
 def config_from_hf(hf: dict, has, where: str) -> TransformerConfig:
-    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+    if text(hf, "hidden_act", where, "silu") not in ("silu", "swish"):
         raise refuse(where, "hidden_act", hf["hidden_act"], "expected silu (SwiGLU)")
-    if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
+    bias = flag(hf, "attention_bias", where, False)
+    if bias != flag(hf, "mlp_bias", where, False):
         raise refuse(where, "attention_bias", hf.get("attention_bias"), "blockformer's bias is one flag for attention and MLP")
     d_model, n_heads = need(hf, "hidden_size", where), need(hf, "num_attention_heads", where)
-    if hf.get("head_dim") not in (None, d_model // n_heads):
+    if integer(hf, "head_dim", where, None) not in (None, d_model // n_heads):
         raise refuse(where, "head_dim", hf["head_dim"], f"blockformer's head size is hidden_size / heads = {d_model // n_heads}")
-    window, max_len = hf.get("sliding_window"), need(hf, "max_position_embeddings", where)
-    if window is not None and hf.get("use_sliding_window", True) and window < max_len:
+    window, max_len = integer(hf, "sliding_window", where, None), need(hf, "max_position_embeddings", where)
+    if window is not None and flag(hf, "use_sliding_window", where, True) and window < max_len:
         raise refuse(where, "sliding_window", window, "blockformer attends to the whole prefix")
     return TransformerConfig(
         arch="decoder", vocab_size=need(hf, "vocab_size", where), d_model=d_model,
         n_layers=need(hf, "num_hidden_layers", where), n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_ff=need(hf, "intermediate_size", where),
-        max_seq_len=max_len, norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6), norm_position="pre",
-        ffn="swiglu", position="rope", rope_base=_rope_theta(hf, where), bias=bool(hf.get("attention_bias", False)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), scale_embeddings=False,
+        n_kv_heads=integer(hf, "num_key_value_heads", where, n_heads), d_ff=need(hf, "intermediate_size", where),
+        max_seq_len=max_len, norm="rms", norm_eps=number(hf, "rms_norm_eps", where, 1e-6), norm_position="pre",
+        ffn="swiglu", position="rope", rope_base=_rope_theta(hf, where), bias=bias,
+        tie_embeddings=flag(hf, "tie_word_embeddings", where, False), scale_embeddings=False,
     )
 
 

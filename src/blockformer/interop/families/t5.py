@@ -11,30 +11,30 @@ from __future__ import annotations
 from ...config import TransformerConfig
 from ...errors import UsageError
 from ..rules import Rule, linear, norm
-from . import Family, need, neutral, refuse
+from . import Family, flag, integer, need, neutral, number, refuse, text
 
 FFNS = {"relu": ("relu", "none"), "gated-gelu": ("geglu", "tanh"), "gated-silu": ("swiglu", "none"),
         "gelu": ("gelu", "none"), "gated-relu": None}
 
 
 def config_from_hf(hf: dict, has, where: str) -> TransformerConfig:
-    proj = hf.get("feed_forward_proj", "relu")
+    proj = text(hf, "feed_forward_proj", where, "relu")
     if FFNS.get(proj) is None:
         raise refuse(where, "feed_forward_proj", proj, "expected relu, gelu, gated-gelu or gated-silu")
     ffn, approx = FFNS[proj]
     d_model, n_heads = need(hf, "d_model", where), need(hf, "num_heads", where)
     if need(hf, "d_kv", where) * n_heads != d_model:
         raise refuse(where, "d_kv", hf["d_kv"], f"blockformer's heads split d_model: expected d_model / num_heads = {d_model // n_heads}")
-    tied = hf.get("tie_word_embeddings", True) is not False
-    scaled = hf.get("scale_decoder_outputs", tied)
+    tied = flag(hf, "tie_word_embeddings", where, True)
+    scaled = flag(hf, "scale_decoder_outputs", where, tied)
     n_layers = need(hf, "num_layers", where)
     return TransformerConfig(
         arch="encoder-decoder", vocab_size=need(hf, "vocab_size", where), d_model=d_model, n_layers=n_layers,
-        n_encoder_layers=n_layers, n_decoder_layers=hf.get("num_decoder_layers") or n_layers, n_heads=n_heads,
-        d_ff=need(hf, "d_ff", where), max_seq_len=hf.get("n_positions") or 512, norm="rms",
-        norm_eps=hf.get("layer_norm_epsilon", 1e-6), norm_position="pre", ffn=ffn, gelu_approximate=approx,
-        position="relative", relative_buckets=hf.get("relative_attention_num_buckets", 32),
-        relative_max_distance=hf.get("relative_attention_max_distance", 128), bias=False,
+        n_encoder_layers=n_layers, n_decoder_layers=integer(hf, "num_decoder_layers", where, n_layers), n_heads=n_heads,
+        d_ff=need(hf, "d_ff", where), max_seq_len=integer(hf, "n_positions", where, 512), norm="rms",
+        norm_eps=number(hf, "layer_norm_epsilon", where, 1e-6), norm_position="pre", ffn=ffn, gelu_approximate=approx,
+        position="relative", relative_buckets=integer(hf, "relative_attention_num_buckets", where, 32),
+        relative_max_distance=integer(hf, "relative_attention_max_distance", where, 128), bias=False,
         tie_embeddings=tied, scale_embeddings=False, attention_scale=1.0,
         output_scale=d_model**-0.5 if scaled else 1.0,
     )

@@ -4,6 +4,7 @@ errors, non-finite losses, exit codes, and checkpoints that are data, not instru
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -248,6 +249,54 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp
     assert [p.name for p in ck.step_checkpoints(out)] == ["step-000002"]
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no temporary, no lock
     ck.load_checkpoint(out / "step-000002")
+
+
+def test_a_full_disk_writing_the_loss_plot_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "copy", "--set", "train.steps=2", "--set", "train.eval_every=1",
+            "--set", "train.progress=false", "--set", "model.d_model=16", "--set", "model.n_heads=2",
+            "--set", "model.n_layers=1", "--set", "model.d_ff=32", "--set", "data.heldout=10",
+            "--set", "train.eval_samples=5", "--out", str(out)]
+    original = os.write
+
+    def full(fd, data):  # the device fills up under the plot's file, and only there
+        if "loss.png" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    err = _one_line_error(capsys, argv)
+    assert f"{out / 'loss.png'}: No space left on device" in err
+    assert not (out / "loss.png").exists() and not [p for p in out.iterdir() if "loss.png" in p.name]
+    assert [p.name for p in ck.step_checkpoints(out)] == ["step-000001", "step-000002"]  # the run is saved
+
+
+def _torn(run, text: bytes) -> None:
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(text)
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
+    run = tmp_path / "run"
+    train(tiny_task("train.steps=2", "train.eval_every=1"), run, **QUIET)
+    whole = (run / "metrics.jsonl").read_bytes()
+    _torn(run, '{"split": "train", "step": 3, "loss": 1.2, "note": "\u00e9'.encode()[:-1])  # cut mid-character
+    cfg, torn_line = tiny_task("train.steps=3", "train.eval_every=1"), whole.count(b"\n") + 1
+    with pytest.warns(UserWarning, match=re.escape(f"{run / 'metrics.jsonl'}: line {torn_line} is cut short")):
+        assert train(cfg, run, resume=run, **QUIET).step == 3
+    lines = (run / "metrics.jsonl").read_bytes().splitlines()
+    assert b"\n".join(lines[: whole.count(b"\n")]) + b"\n" == whole  # the records before it are kept
+    assert [json.loads(x)["step"] for x in lines[-2:]] == [3, 3]  # and the resumed step's appended
+
+
+def test_a_corrupt_metrics_line_before_the_last_names_the_file_and_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    train(tiny_task("train.steps=2", "train.eval_every=1"), run, **QUIET)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[1] = lines[1][:-5]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    err = _one_line_error(capsys, ["train", "--resume", str(run), "--set", "train.steps=3"])
+    assert f"{run / 'metrics.jsonl'}: line 2 is not a metrics record" in err
 
 
 def test_a_cache_directory_that_is_a_file_is_one_line(tmp_path, capsys):

@@ -56,7 +56,7 @@ from .metrics import MetricsLog, perplexity, plot_losses
 from .finetune import lr_scale
 from .optim import build_optimizer, kernel_kept
 from .precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
-from .run_dir import RunLock, clear_previous_run, main_process, prepare
+from .run_dir import CONFIG_TOML, RunLock, clear_previous_run, main_process, prepare, replace_file
 from .schedule import build_scheduler
 from .setup import Objective, build_run
 from .throughput import format_flops, peak_flops, utilisation
@@ -163,7 +163,7 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
         clear_previous_run(run_dir, log)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        cfg.to_toml(run_dir / "config.toml")
+        replace_file(run_dir / CONFIG_TOML, cfg.to_toml().encode("utf-8"))
     metrics = MetricsLog(run_dir, resume_step=step if state is not None else None) if main else _NoMetrics()
     # One process: model + loss compiled as one static graph; a parallel run compiles per block.
     loss_fn = compile_loss(objective) if tc.compile and par is None else None

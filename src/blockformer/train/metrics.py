@@ -1,11 +1,21 @@
-"""Training metrics as JSON lines, and the loss curve drawn from them."""
+"""Training metrics as JSON lines, and the loss curve drawn from them.
+
+Neither file is ever written through a link: ``metrics.jsonl`` is appended to with
+``O_NOFOLLOW`` and rewritten (on resume) by renaming a new file over it; ``loss.png`` is
+rendered in memory and renamed into place, so a full disk is an ``OSError`` naming it.
+"""
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
+import warnings
 from pathlib import Path
 from typing import Any
+
+from ..errors import UsageError
 
 METRICS = "metrics.jsonl"
 PLOT = "loss.png"
@@ -19,30 +29,53 @@ class MetricsLog:
     """
 
     def __init__(self, run_dir: str | Path, resume_step: int | None = None) -> None:
+        from .run_dir import replace_file  # noqa: PLC0415 - run_dir imports torch; readers of metrics need not
+
         self.path = Path(run_dir) / METRICS
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is None:
-            self.path.write_text("")
-        elif self.path.exists():
+            replace_file(self.path, b"")
+        elif self.path.exists() or self.path.is_symlink():
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            replace_file(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8"))
 
     def write(self, record: dict[str, Any]) -> None:
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        line = (json.dumps(record) + "\n").encode("utf-8")
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "wb") as f:  # one write per record: a kill leaves at most the last line torn
+            f.write(line)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (or of a run directory's). A torn last line, what a
+    kill during an append leaves, is dropped with a warning; a bad line before it is a
+    UsageError naming the file and the line."""
     path = Path(path)
     if path.is_dir():
         path = path / METRICS
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_bytes().split(b"\n"), 1) if line.strip()]
+    records = []
+    for k, (n, line) in enumerate(lines):
+        try:
+            record = json.loads(line.decode("utf-8"))
+            if not isinstance(record, dict):
+                raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if k == len(lines) - 1:
+                warnings.warn(f"{path}: line {n} is cut short (an interrupted write?); ignored", stacklevel=2)
+                break
+            raise UsageError(f"{path}: line {n} is not a metrics record ({e}); expected one JSON object "
+                             f"per line, as the trainer writes them") from None
+        records.append(record)
+    return records
 
 
 def plot_losses(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     """Train and validation loss against step, as a PNG (headless); None without data."""
+    from .run_dir import replace_file  # noqa: PLC0415
+
     records = read_metrics(run_dir)
     train = [(r["step"], r["loss"]) for r in records if r.get("split") == "train"]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("split") == "val"]
@@ -64,9 +97,11 @@ def plot_losses(run_dir: str | Path, out: str | Path | None = None) -> Path | No
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out = Path(out) if out is not None else Path(run_dir) / PLOT
-    fig.savefig(out)
+    png = io.BytesIO()  # rendered in memory: the file is written (and its errors raised) here
+    fig.savefig(png, format="png")
     plt.close(fig)
+    out = Path(out) if out is not None else Path(run_dir) / PLOT
+    replace_file(out, png.getvalue())
     return out
 
 

@@ -7,6 +7,11 @@ a process that died without cleaning up (kill -9, power loss) is stale: on the s
 a pid that no longer runs is detected and the lock taken over; on another host the user
 is told whom to ask. ``check_fresh`` refuses a fresh run into a directory that already
 holds something, naming the ways forward.
+
+Nothing is written through a link: ``check_links`` refuses a run directory where one of
+the trainer's names (``config.toml``, ``metrics.jsonl``, ``loss.png``, ``step-*``) is a
+symbolic link, or ``best`` links anywhere but to a checkpoint beside it; ``replace_file``
+writes a whole file by renaming a new one over the name, which replaces a link itself.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -25,6 +31,7 @@ from ..paths import check_writable_dir
 from .checkpoint import BEST, TMP_TAG, TRASH_TAG, discard, recover, step_checkpoints
 
 LOCK = ".lock"
+CONFIG_TOML = "config.toml"  # the run config, as the run was last started
 
 
 class RunLock:
@@ -57,8 +64,10 @@ class RunLock:
 
     def _try_create(self, me: dict[str, Any]) -> bool:
         tmp = self.run_dir / f"{LOCK}{TMP_TAG}{os.getpid()}"
-        tmp.write_text(json.dumps(me) + "\n", encoding="utf-8")
+        text = json.dumps(me) + "\n"
         try:
+            _unlink(tmp)
+            _create(tmp, text)
             os.link(tmp, self.path)  # atomic, and fails if a lock exists: never a half-written lock
             return True
         except FileExistsError:
@@ -67,11 +76,9 @@ class RunLock:
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
                 raise
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                _create(self.path, text)
             except FileExistsError:
                 return False
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(me) + "\n")
             return True
         finally:
             _unlink(tmp)
@@ -88,6 +95,13 @@ class RunLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def _create(path: Path, text: str) -> None:
+    """A new file holding ``text``; FileExistsError if the name is taken (by a link too)."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def _read_owner(path: Path) -> dict[str, Any] | None:
@@ -169,10 +183,52 @@ def clear_previous_run(run_dir: Path, log: Any = print) -> None:
         _unlink(run_dir / name)
 
 
+def check_links(run_dir: Path) -> None:
+    """Refuse a run directory in which the trainer would write through a symbolic link:
+    its own files and ``step-*`` checkpoints must not be links, and ``best`` may only
+    link to a ``step-*`` name in the same directory (as ``mark_best`` writes it)."""
+    from .metrics import METRICS, PLOT  # noqa: PLC0415
+
+    if not run_dir.is_dir():
+        return
+    for p in sorted(run_dir.iterdir()):
+        if not p.is_symlink():
+            continue
+        if p.name == BEST and re.fullmatch(r"step-\d+", os.readlink(p)):
+            continue
+        if p.name in (CONFIG_TOML, METRICS, PLOT, BEST) or re.fullmatch(r"step-\d+", p.name):
+            raise UsageError(
+                f"{p}: is a symbolic link (to {os.readlink(p)}); the trainer writes this name and never "
+                f"through a link: expected a plain file or directory there (remove the link)"
+            )
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write ``path`` whole: a new file beside it, flushed to disk, then renamed over it. A
+    link at ``path`` is replaced, never written through; an OS error (a full disk) names ``path``."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}{TMP_TAG}{os.getpid()}"
+    try:
+        _unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:
+        _unlink(tmp)
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+
+
 def prepare(run_dir: Path, *, fresh: bool, overwrite: bool) -> list[Path]:
-    """Under the lock: clean what crashed writers left; refuse a fresh run into a used
-    directory unless ``overwrite``. Returns the cleaned paths."""
+    """Under the lock: clean what crashed writers left; refuse links among the trainer's
+    names, and a fresh run into a used directory unless ``overwrite``. Returns the cleaned paths."""
     cleaned = recover(run_dir)
+    check_links(run_dir)
     if fresh:
         check_fresh(run_dir, overwrite)
     return cleaned

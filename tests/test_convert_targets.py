@@ -161,3 +161,12 @@ def test_to_hf_in_python_refuses_alike(tmp_path, ckpt):
     to_hf(ckpt, mine, overwrite=True)
     assert json.loads((mine / "config.json").read_text())["model_type"] == "llama"
     assert not (mine / "notes").exists()
+
+
+def test_the_current_directory_and_its_parents_are_refused(tmp_path, ckpt, capsys, monkeypatch):
+    work = tmp_path / "a" / "work"  # its parent does not hold the source
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    for out in (".", "..", str(work)):
+        _refused(["convert", "--to-hf", str(ckpt), "--out", out, "--overwrite"], capsys, "current directory")
+    assert work.is_dir() and ckpt.is_dir()

@@ -421,3 +421,11 @@ def test_convert_names_a_config_field_of_the_wrong_type(tmp_path, capsys, field,
     config = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**config, field: value}))
     _convert_refused(d, tmp_path, capsys, "config.json", field)
+
+
+def test_a_tokenizer_json_without_tokens_is_one_line(tmp_path, capsys):
+    from tokenizers import Tokenizer, models
+
+    d = _hf_dir(tmp_path / "hf")
+    Tokenizer(models.WordLevel({}, unk_token="<unk>")).save(str(d / "tokenizer.json"))
+    _convert_refused(d, tmp_path, capsys, "tokenizer.json", "empty vocabulary")

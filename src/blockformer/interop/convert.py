@@ -230,11 +230,16 @@ def check_target(out: Path, source: Path | None, *, overwrite: bool, flag: str =
     name: the source, or a directory holding it or inside it (always); a file (always); a
     directory holding anything (unless ``overwrite``). A new or empty directory is fine."""
     how = "pass --overwrite" if flag.startswith("--") else "pass overwrite=True"
-    if source is not None:
-        o, s = out.resolve(), source.resolve()
-        if o == s or o.is_relative_to(s) or s.is_relative_to(o):
-            relation = "is" if o == s else "is inside" if o.is_relative_to(s) else "holds"
-            raise UsageError(f"{flag} {out}: {relation} the source {source}; expected a directory outside it")
+    try:
+        o, cwd = out.resolve(), Path.cwd().resolve()
+        s = source.resolve() if source is not None else None
+    except (OSError, RuntimeError) as e:  # a symlink loop, a vanished working directory
+        raise UsageError(f"{flag} {out}: cannot resolve the path ({e})") from None
+    if s is not None and (o == s or o.is_relative_to(s) or s.is_relative_to(o)):
+        relation = "is" if o == s else "is inside" if o.is_relative_to(s) else "holds"
+        raise UsageError(f"{flag} {out}: {relation} the source {source}; expected a directory outside it")
+    if cwd.is_relative_to(o):  # replacing it would pull the working directory away
+        raise UsageError(f"{flag} {out}: is or holds the current directory; expected a directory beside it, e.g. {flag} out")
     if out.exists() and not out.is_dir():
         raise UsageError(f"{flag} {out}: is a file; expected a directory to write (a new name, or an empty one)")
     what = _contents(out)

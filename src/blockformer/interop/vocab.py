@@ -67,7 +67,10 @@ def import_tokenizer(
         hf = HFTokenizer.from_file(str(file))
     except Exception as e:  # the Rust side raises a bare Exception
         raise UsageError(f"{file}: not a tokenizer the `tokenizers` package can read ({e})") from None
-    size = max(hf.get_vocab(with_added_tokens=True).values()) + 1
+    ids = hf.get_vocab(with_added_tokens=True).values()
+    if not ids:
+        raise UsageError(f"{file}: an empty vocabulary; expected a tokenizer with tokens")
+    size = max(ids) + 1
     if size > n_rows:
         raise UsageError(f"{file}: {size} tokens but the model has {n_rows} embedding rows; expected at most that")
     missing = [name for name, (role, names) in zip(SPECIAL_TOKENS, SPECIAL_NAMES.items())

@@ -10,7 +10,7 @@ from blockformer import TransformerConfig, build_model
 from blockformer.errors import UsageError
 from blockformer.generate import generate, greedy_decode
 from blockformer.models import checks
-from blockformer.tokenizers import CharTokenizer
+from blockformer.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer, train_tokenizer
 
 V = 20
 
@@ -99,6 +99,12 @@ def test_checks_run_once_per_generate_call_not_per_step(monkeypatch):
     assert calls == [torch.Size([3]), torch.Size([3])]
     m(torch.tensor([[1, 2]]))
     assert calls[-1] == torch.Size([1, 2])
+    calls.clear()
+    s2s = model("encoder-decoder", "rope")
+    for use_cache in (True, False):  # the source once, no target step
+        greedy_decode(s2s, [[4, 5, 6]], max_len=6, eos_id=V + 1, use_cache=use_cache)
+        beam_search(s2s, [[4, 5, 6]], beam_size=2, max_len=6, use_cache=use_cache)
+    assert calls == [torch.Size([1, 3])] * 4
 
 
 def test_translate_warns_when_it_cuts_sources():
@@ -251,6 +257,17 @@ BAD_CALLS = {
     "TextStream stop_strings int": (lambda: TextStream(str, None, [3]), TypeError, r"stop_strings\[0\]: 3"),
     "TextStream decode": (lambda: TextStream("utf-8"), TypeError, "decode: a str; expected a function"),
     "TextStream write": (lambda: TextStream(str, "stdout"), TypeError, "write: a str; expected a function"),
+    # tokenizers: text in, ids out
+    "encode None": (lambda: CharTokenizer("abc").encode(None), TypeError, "text: None; expected a str"),
+    "encode bytes": (lambda: ByteTokenizer().encode(b"ab"), TypeError, r"text: a bytes; expected a str \(bytes: "),
+    "encode list": (lambda: ByteTokenizer().encode(["ab"]), TypeError, r"text: a list; expected a str \(many texts"),
+    "bpe encode int": (lambda: train_tokenizer("bpe", ["ab ab"] * 5, 300).encode(7), TypeError, "text: an int"),
+    "bpe encode_batch str": (lambda: train_tokenizer("bpe", ["ab ab"] * 5, 300).encode_batch("ab"), TypeError, "texts: a str"),
+    "encode_batch str": (lambda: CharTokenizer("abc").encode_batch("ab"), TypeError, "texts: a str; expected a list"),
+    "decode str": (lambda: ByteTokenizer().decode("abc"), TypeError, "ids: a str; expected a list of token ids"),
+    "decode None": (lambda: CharTokenizer("abc").decode(None), TypeError, "ids: None"),
+    "train_tokenizer None": (lambda: train_tokenizer("char", None), TypeError, "texts: None; expected an iterable"),
+    "load_tokenizer None": (lambda: load_tokenizer(None), TypeError, "path: None; expected a path"),
     # other formats and sizes
     "from_hf None": (lambda: from_hf(None), TypeError, "source: None; expected a Hugging Face model directory"),
     "from_hf Linear": (lambda: from_hf(torch.nn.Linear(2, 2)), TypeError, "source: a Linear; expected a Hugging Face"),

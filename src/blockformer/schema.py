@@ -94,6 +94,14 @@ def check_types(obj: Any) -> None:
             raise ValueError(f"{type(obj).__name__}.{f.name}={value}: expected an integer below 2**53")
 
 
+def kind_of(value: object) -> str:
+    """``None`` or ``a list``/``an int``: how a message names a value of the wrong type."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
+
 def is_union(hint: Any) -> bool:
     return get_origin(hint) in (typing.Union, types.UnionType)
 

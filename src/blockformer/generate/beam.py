@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import UsageError
 from .batching import BOS_ID, EOS_ID
-from ..models.checks import check_real
+from ..models.checks import check_real, trusted_inputs
 from .seq2seq import check_seq2seq_args, memory_mask as memory_mask_of, source_batch, target_limits
 from .step import eval_mode, prepare_step, seq2seq_step
 
@@ -81,8 +81,10 @@ def beam_search(
             finished[b].append(Hypothesis(tokens, score, log_prob, length))
 
     with eval_mode(model):
+        encoded = model.encode(src, src_mask)  # checks the source once
+    with eval_mode(model), trusted_inputs():  # ... and no step checks its tokens again
         rows = torch.arange(B, device=device).repeat_interleave(K)  # beam row -> sentence
-        memory, memory_mask = model.encode(src, src_mask)[rows], memory_mask_of(model, src_mask)[rows]  # (B*K, S, d)
+        memory, memory_mask = encoded[rows], memory_mask_of(model, src_mask)[rows]  # (B*K, S, d)
         history = torch.full((B * K, T + 1), bos_id, dtype=torch.long, device=device)  # col 0: bos
         scores = torch.zeros(B, K, device=device)
         scores[:, 1:] = float("-inf")  # all beams start equal: expand only the first

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import ADDITIVE_POSITIONS
 from ..errors import UsageError
-from ..models.checks import check_int, check_model, check_special_id, kind_of
+from ..models.checks import check_int, check_model, check_special_id, kind_of, trusted_inputs
 from .batching import BOS_ID, EOS_ID, PAD_ID, pad_batch
 from .step import eval_mode, model_device, prepare_step, seq2seq_step
 
@@ -104,11 +104,12 @@ def greedy_decode(
     limits = target_limits(model, src_mask, max_len)
     B, T, device = src.shape[0], max(limits), src.device
     with eval_mode(model):
+        memory = model.encode(src, src_mask)  # checks the source once
+    with eval_mode(model), trusted_inputs():  # ... and no step checks its tokens again
         limit_t = torch.tensor(limits, device=device)
         out = torch.full((B, T), PAD_ID, dtype=torch.long, device=device)
         done = torch.zeros(B, dtype=torch.bool, device=device)
         tok = torch.full((B, 1), bos_id, dtype=torch.long, device=device)
-        memory = model.encode(src, src_mask)
         src_mask = memory_mask(model, src_mask)
         if use_cache:
             cache, step = prepare_step(model, seq2seq_step, B, T, compile=compile, compile_mode=compile_mode)

@@ -19,6 +19,7 @@ import torch
 
 from ..config import ADDITIVE_POSITIONS, TransformerConfig
 from ..errors import UsageError
+from ..schema import kind_of
 
 _TRUSTED = [0]  # depth of trusted_inputs() blocks
 
@@ -98,14 +99,6 @@ def check_positions(
 # argument. They read no tensor values, so they cost nothing.
 
 SEED_RANGE = 2**64  # torch.manual_seed takes [0, 2**64); a negative seed wraps around silently
-
-
-def kind_of(value: object) -> str:
-    """``None`` or ``a list``/``an int``: how a message names a value of the wrong type."""
-    if value is None:
-        return "None"
-    name = type(value).__name__
-    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
 def check_int(value: object, name: str, low: int | None = None, high: int | None = None) -> int:

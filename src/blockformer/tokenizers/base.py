@@ -12,11 +12,35 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from ..schema import kind_of
+
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")  # names of ids 0..3, in that order
 NUM_SPECIALS = len(SPECIAL_TOKENS)
 FILE_NAME = "tokenizer.json"
 MARKER = "blockformer_tokenizer"  # key that marks a char/byte tokenizer.json as ours
+
+
+def check_text(text: object, name: str = "text") -> None:
+    """``encode`` takes a ``str``: bytes are decoded first, and a list goes to ``encode_batch``."""
+    if not isinstance(text, str):
+        hint = " (bytes: .decode('utf-8') first)" if isinstance(text, bytes) else \
+            " (many texts: encode_batch)" if isinstance(text, (list, tuple)) else ""
+        raise TypeError(f"{name}: {kind_of(text)}; expected a str{hint}")
+
+
+def check_texts(texts: object) -> None:
+    if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
+        raise TypeError(f"texts: {kind_of(texts)}; expected a list of str (one text: encode)")
+    for i, t in enumerate(texts):
+        check_text(t, f"texts[{i}]")
+
+
+def check_id_list(ids: object) -> None:
+    """``decode`` takes an iterable of ids; a string is text already. Only the container is
+    checked: ``decode`` runs once per generated token (TextStream)."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"ids: {kind_of(ids)}; expected a list of token ids")
 
 
 class Tokenizer(ABC):
@@ -48,6 +72,7 @@ class Tokenizer(ABC):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """``encode`` for many texts (BPE encodes them in parallel)."""
+        check_texts(texts)
         return [self.encode(t) for t in texts]
 
     def fingerprint(self) -> str:

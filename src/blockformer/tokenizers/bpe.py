@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from ..errors import UsageError
-from .base import NUM_SPECIALS, SPECIAL_TOKENS, Tokenizer
+from .base import check_id_list, check_text, check_texts, NUM_SPECIALS, SPECIAL_TOKENS, Tokenizer
 
 DEFAULT_VOCAB_SIZE = 4096
 MIN_VOCAB_SIZE = NUM_SPECIALS + 256  # the specials and every byte
@@ -99,13 +99,16 @@ class BPETokenizer(Tokenizer):
         return ids if self._to_ours is None else self._to_ours[ids].tolist()
 
     def encode(self, text: str) -> list[int]:
+        check_text(text)
         return self._ours(self.hf.encode(text, add_special_tokens=False).ids)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        check_texts(texts)
         encodings = self.hf.encode_batch_fast(list(texts), add_special_tokens=False)
         return [self._ours(e.ids) for e in encodings]
 
     def decode(self, ids: Iterable[int]) -> str:
+        check_id_list(ids)
         ids = [i for i in map(int, ids) if NUM_SPECIALS <= i < self._size]
         if self._to_hf is not None:
             ids = self._to_hf[ids].tolist()

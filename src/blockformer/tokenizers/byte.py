@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..errors import UsageError
-from .base import MARKER, NUM_SPECIALS, Tokenizer
+from .base import check_id_list, check_text, MARKER, NUM_SPECIALS, Tokenizer
 
 
 class ByteTokenizer(Tokenizer):
@@ -32,6 +32,7 @@ class ByteTokenizer(Tokenizer):
         return NUM_SPECIALS + 256
 
     def encode_array(self, text: str) -> np.ndarray:
+        check_text(text)
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) + NUM_SPECIALS
 
     def encode(self, text: str) -> list[int]:
@@ -39,6 +40,7 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         # A sampled sequence may cut a character's bytes: show U+FFFD rather than fail.
+        check_id_list(ids)
         data = bytes(i - NUM_SPECIALS for i in map(int, ids) if NUM_SPECIALS <= i < NUM_SPECIALS + 256)
         return data.decode("utf-8", errors="replace")
 

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..errors import UsageError
-from .base import MARKER, NUM_SPECIALS, UNK_ID, Tokenizer
+from .base import check_id_list, check_text, MARKER, NUM_SPECIALS, UNK_ID, Tokenizer
 
 
 class CharTokenizer(Tokenizer):
@@ -53,6 +53,7 @@ class CharTokenizer(Tokenizer):
         return NUM_SPECIALS + len(self.chars)
 
     def encode_array(self, text: str) -> np.ndarray:
+        check_text(text)
         codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         if len(self._codes) == 0:
             return np.full(len(codes), UNK_ID, dtype=np.int64)
@@ -63,6 +64,7 @@ class CharTokenizer(Tokenizer):
         return self.encode_array(text).tolist()
 
     def decode(self, ids: Iterable[int]) -> str:
+        check_id_list(ids)
         chars, n = self.chars, len(self.chars)
         return "".join(chars[i - NUM_SPECIALS] for i in map(int, ids) if 0 <= i - NUM_SPECIALS < n)
 

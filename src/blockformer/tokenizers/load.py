@@ -9,6 +9,7 @@ from typing import Iterable
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import UsageError
+from ..schema import kind_of
 from .base import FILE_NAME, MARKER, Tokenizer
 from .bpe import BPETokenizer
 from .byte import ByteTokenizer
@@ -27,11 +28,15 @@ def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int | None = No
         raise UsageError(f"tokenizer.kind: unknown kind {kind!r}; expected one of {', '.join(TOKENIZERS)}")
     if isinstance(texts, str):  # one text, not an iterable of one-character texts
         texts = [texts]
+    if isinstance(texts, bytes) or not hasattr(texts, "__iter__"):
+        raise TypeError(f"texts: {kind_of(texts)}; expected an iterable of str")
     return TOKENIZERS[kind].train(texts, vocab_size)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer in ``path``: a ``tokenizer.json`` or a directory (e.g. a checkpoint) holding one."""
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"path: {kind_of(path)}; expected a path to a {FILE_NAME} or a directory holding one")
     path = Path(path)
     file = path / FILE_NAME if path.is_dir() else path
     if not file.is_file():

@@ -54,9 +54,9 @@ def test_kaplan_fit_recovers_a_power_law():
 
 
 def test_fits_reject_too_few_points():
-    with pytest.raises(ValueError, match="at least 5"):
+    with pytest.raises(ValueError, match="2 points; its 5 parameters need at least 8"):
         fit_chinchilla([1, 2], [1, 2], [1, 2])
-    with pytest.raises(ValueError, match="at least 2"):
+    with pytest.raises(ValueError, match="1 model sizes; .* expected at least 3"):
         fit_kaplan([5, 5], [1, 2])
 
 
@@ -83,7 +83,8 @@ def test_smoke_sweep_two_sizes_by_two_budgets_runs_end_to_end_and_resumes(tmp_pa
     assert [(p["size"], p["tokens"], p["steps"]) for p in summary["points"]] == [
         ("32x1", 128, 2), ("32x1", 256, 4), ("64x1", 128, 2), ("64x1", 256, 4)]
     assert summary["points"][0]["parameters"] < summary["points"][2]["parameters"]
-    assert "kaplan" in summary and "Chinchilla fit skipped: 4 points" in out
+    assert "Chinchilla fit skipped: 4 points" in out and "Kaplan fit skipped: 2 model sizes" in out
+    assert set(summary["skipped"]) == {"chinchilla", "kaplan"}
     assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 10_000
     stamp = (tmp_path / "sweep" / "points" / "64x1_256" / "point.json").stat().st_mtime_ns
     assert main(args) == 0  # again: nothing retrained

@@ -31,13 +31,15 @@ def _fit_only(tmp_path) -> int:
                  "--out", str(tmp_path)])
 
 
-GRID = [(32, 1, 1000), (32, 1, 4000), (64, 2, 1000), (64, 2, 4000)]
+GRID = [(w, layers, d) for w, layers in ((32, 1), (64, 2), (96, 2)) for d in (1000, 4000)]
 
 
 def test_well_formed_points_fit(tmp_path, capsys):
     _sweep(tmp_path, [_point(*g) for g in GRID])
     assert _fit_only(tmp_path) == 0
-    assert "Kaplan" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Kaplan      L(N) = (N_c / N)^alpha_N at D = 4,000" in out
+    assert "Chinchilla fit skipped: 6 points" in out
 
 
 @pytest.mark.parametrize("change, field", [

@@ -12,6 +12,14 @@ from ..train.metrics import read_metrics
 from .fit import ChinchillaFit
 
 
+def say_skipped(ax: Any, why: str) -> None:
+    """Write "fit skipped: <why>" inside ``ax``: a panel without its fit says so, never blank."""
+    import textwrap  # noqa: PLC0415
+
+    ax.text(0.5, 0.5, textwrap.fill(f"fit skipped: {why}", 45), transform=ax.transAxes, ha="center",
+            va="center", fontsize=9, color="C3", bbox={"facecolor": "white", "edgecolor": "C3", "alpha": 0.9})
+
+
 def _train_record(r: dict) -> bool:
     """A training record with a finite step and loss (others are not drawn)."""
     return r.get("split") == "train" and all(
@@ -20,6 +28,14 @@ def _train_record(r: dict) -> bool:
 
 
 def plot_sweep(summary: dict[str, Any], path: str | Path) -> Path:
+    """Draw ``sweep_figure(summary)`` into the PNG ``path``."""
+    path = Path(path)
+    sweep_figure(summary).savefig(path, dpi=100)
+    return path
+
+
+def sweep_figure(summary: dict[str, Any]) -> Any:
+    """The four panels as a matplotlib ``Figure``; a panel whose fit was skipped says why."""
     from matplotlib.figure import Figure  # noqa: PLC0415
 
     points = summary["points"]
@@ -55,11 +71,12 @@ def plot_sweep(summary: dict[str, Any], path: str | Path) -> Path:
     vs_d.set(xscale="log", xlabel="tokens D", ylabel="val loss", title="Chinchilla fit L(N, D)")
     vs_d.legend(fontsize=7)
 
+    largest = max(p["tokens"] for p in points)
+    mine = [p for p in points if p["tokens"] == largest]
+    vs_n.plot([p["non_embedding"] for p in mine], [p["val_loss"] for p in mine], "o", color="C0")
     if "kaplan" in summary:
         k = summary["kaplan"]
-        mine = [p for p in points if p["tokens"] == k["tokens"]]
-        n = np.array([p["non_embedding"] for p in mine])
-        vs_n.plot(n, [p["val_loss"] for p in mine], "o", color="C0")
+        n = np.array([p["non_embedding"] for p in points if p["tokens"] == k["tokens"]])
         grid = np.geomspace(n.min() / 2, n.max() * 4, 50)
         vs_n.plot(grid, (k["N_c"] / grid) ** k["alpha_N"], "-", color="C0",
                   label=f"(N_c/N)^{k['alpha_N']:.3f}, D = {k['tokens']:,}")
@@ -82,8 +99,10 @@ def plot_sweep(summary: dict[str, Any], path: str | Path) -> Path:
         iso.set_ylim(min(b[1] for b in best) * 0.95, max(p["val_loss"] for p in points) * 1.2 if lo > 0 else None)
         iso.legend(fontsize=7)
     iso.set(xscale="log", xlabel="parameters N", ylabel="predicted loss", title="iso-FLOP curves (C = 6ND)")
+    skipped = summary.get("skipped", {})
+    for ax, name in ((vs_d, "chinchilla"), (vs_n, "kaplan"), (iso, "chinchilla")):
+        if name not in summary:
+            say_skipped(ax, skipped.get(name, "not in the summary"))
     for ax in (curves, vs_d, vs_n, iso):
         ax.grid(True, which="both", alpha=0.3)
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    return path
+    return fig

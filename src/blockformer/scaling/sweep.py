@@ -193,29 +193,32 @@ def ensure_point(base: RunConfig, width: int, layers: int, budget: int, where: P
 
 
 def fit_points(points: list[Point], *, bootstrap: int = 100, budget: float | None = None) -> dict[str, Any]:
-    """The Chinchilla fit (with >= 5 points), Kaplan's L(N) on the largest budget's points (with
-    >= 2 sizes), and the compute-optimal N and D for ``budget`` FLOPs (default: 10x the
-    largest run)."""
-    from .fit import fit_chinchilla, fit_kaplan  # noqa: PLC0415
+    """The Chinchilla fit, Kaplan's L(N) on the largest budget's points, and the compute-optimal
+    N and D for ``budget`` FLOPs (default: 10x the largest run). A fit the points cannot
+    support (``fit.chinchilla_problem``, ``fit.kaplan_problem``) is skipped, and
+    ``summary["skipped"]`` says why: the plot and the report show that instead of a curve."""
+    from .fit import chinchilla_problem, fit_chinchilla, fit_kaplan, kaplan_problem  # noqa: PLC0415
 
-    out: dict[str, Any] = {"points": [dataclasses.asdict(p) for p in points], "notes": []}
-    if len(points) >= 5:
-        fit = fit_chinchilla([p.parameters for p in points], [p.tokens for p in points],
-                             [p.val_loss for p in points], bootstrap=bootstrap)
+    out: dict[str, Any] = {"points": [dataclasses.asdict(p) for p in points], "notes": [], "skipped": {}}
+    N, D = [p.parameters for p in points], [p.tokens for p in points]
+    if (why := chinchilla_problem(N, D)) is None:
+        fit = fit_chinchilla(N, D, [p.val_loss for p in points], bootstrap=bootstrap)
         out["chinchilla"] = fit.to_dict()
         budget = budget or 10 * max(6 * p.parameters * p.tokens for p in points)
         n_opt, d_opt = fit.compute_optimal(budget)
         out["compute_optimal"] = {"flops": budget, "N": n_opt, "D": d_opt, "loss": float(fit.predict(n_opt, d_opt))}
     else:
-        out["notes"].append(f"Chinchilla fit skipped: {len(points)} points; it needs at least 5")
+        out["skipped"]["chinchilla"] = why
+        out["notes"].append(f"Chinchilla fit skipped: {why}")
     largest = max(p.tokens for p in points)
     at_largest = [p for p in points if p.tokens == largest]
-    if len({p.non_embedding for p in at_largest}) >= 2:
+    if (why := kaplan_problem([p.non_embedding for p in at_largest])) is None:
         kaplan = fit_kaplan([p.non_embedding for p in at_largest], [p.val_loss for p in at_largest],
                             bootstrap=bootstrap)
         out["kaplan"] = {**kaplan.to_dict(), "tokens": largest}
     else:
-        out["notes"].append("Kaplan fit skipped: fewer than 2 sizes at the largest budget")
+        out["skipped"]["kaplan"] = f"{why} (at the largest budget, D = {largest:,})"
+        out["notes"].append(f"Kaplan fit skipped: {out['skipped']['kaplan']}")
     return out
 
 

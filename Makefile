@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install demo finetune-demo digits test test-fast bench clean
+.PHONY: install demo finetune-demo digits test test-avx2 test-fast bench clean
 
 # torch is pinned and installed first: the CPU wheel on this machine's disk. Letting pip
 # resolve a bare `torch` would download a multi-GB CUDA build.
@@ -35,6 +35,11 @@ digits: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The suite again as an AVX2-only CPU runs it: torch's kernels (ATEN), oneDNN's and blockformer's
+# own CPU-feature choices capped at AVX2 (no AVX-512, no bf16 units). CI runs both passes.
+test-avx2: install
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

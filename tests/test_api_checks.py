@@ -135,8 +135,8 @@ def test_checks_do_not_break_a_fullgraph_compile():
 
 from blockformer import count_parameters, flops_per_token, from_hf, memory_estimate, to_hf  # noqa: E402
 from blockformer.generate import (  # noqa: E402
-    Sampling, TextStream, beam_search, choose, process_logits, speculative_generate, top_k_filter, top_p_filter,
-    translate,
+    Sampling, TextStream, beam_search, choose, length_penalty, pack_linears, positions_from_mask, prepare_for_decoding,
+    process_logits, quantize, sample, speculative_generate, top_k_filter, top_p_filter, translate,
 )
 from blockformer.run_config import RunConfig  # noqa: E402
 
@@ -187,6 +187,18 @@ BAD_CALLS = {
                            "memory: dtype torch.int64"),
     "decode src_mask shape": (lambda: S2S.decode(X, torch.zeros(1, 4, 16), torch.ones(1, 3, dtype=torch.bool)), ValueError,
                               r"src_mask: shape \(1, 3\); expected \(1, 4\)"),
+    # the KV cache
+    "new_cache batch -1": (lambda: DEC.new_cache(-1, 8), ValueError, "batch_size: -1; expected an integer >= 1"),
+    "new_cache max_len 5.5": (lambda: DEC.new_cache(1, 5.5), TypeError, "max_len: 5.5; expected an integer"),
+    "decoder cache str": (lambda: DEC(X, cache="c", cache_pos=torch.arange(4)), TypeError, "cache: a str; expected a KVCache"),
+    "decoder cache_pos float": (lambda: DEC(X, cache=DEC.new_cache(1, 8), cache_pos=torch.arange(4.0)), TypeError,
+                                "cache_pos: dtype torch.float32"),
+    "decoder cache_pos shape": (lambda: DEC(X, cache=DEC.new_cache(1, 8), cache_pos=torch.arange(3)), ValueError,
+                                r"cache_pos: shape \(3,\); expected \(4,\)"),
+    "decoder cache batch": (lambda: DEC(X, cache=DEC.new_cache(2, 8), cache_pos=torch.arange(4)), ValueError,
+                            "tokens: batch of 1; expected 2 like the cache"),
+    "decode cache batch": (lambda: S2S.decode(X, torch.zeros(1, 4, 16), cache=S2S.new_cache(3, 8), cache_pos=torch.arange(4)),
+                           ValueError, "tgt: batch of 1; expected 3 like the cache"),
     # generate: the model, the sampling parameters, the limits, the special ids, the stops
     "generate model=str": (lambda: generate("gpt2", [[1]], 3), TypeError, "model: a str; expected a blockformer model"),
     "generate encoder-decoder": (lambda: generate(S2S, [[1]], 3), TypeError,
@@ -252,6 +264,12 @@ BAD_CALLS = {
     "process_logits sampling": (lambda: process_logits(LOGITS, "greedy"), TypeError, "sampling: a str; expected a Sampling"),
     "choose sampling None": (lambda: choose(LOGITS, None), TypeError, "sampling: None; expected a Sampling"),
     "choose logits list": (lambda: choose([[0.0, 1.0]], Sampling()), TypeError, "logits: a list"),
+    "sample list": (lambda: sample([[0.5, 0.5]]), TypeError, "probs: a list; expected a float tensor"),
+    "length_penalty str": (lambda: length_penalty("5", 0.6), TypeError, "length: '5'; expected an integer"),
+    "positions_from_mask list": (lambda: positions_from_mask([[True]]), TypeError, "mask: a list; expected a bool tensor"),
+    "quantize str": (lambda: quantize("model", "int8"), TypeError, "model: a str; expected a blockformer model"),
+    "prepare_for_decoding None": (lambda: prepare_for_decoding(None), TypeError, "model: None; expected a blockformer model"),
+    "pack_linears None": (lambda: pack_linears(None), TypeError, "model: None"),
     # streaming text
     "TextStream stop_strings str": (lambda: TextStream(str, None, "END"), TypeError, "stop_strings: a str; expected a list"),
     "TextStream stop_strings int": (lambda: TextStream(str, None, [3]), TypeError, r"stop_strings\[0\]: 3"),

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..schema import kind_of
 from ..tokenizers.base import BOS_ID, EOS_ID, PAD_ID  # the special ids every tokenizer shares
 
 __all__ = ["BOS_ID", "EOS_ID", "PAD_ID", "pad_batch", "positions_from_mask"]
@@ -59,4 +60,6 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     Padding gets position 0 (never -1, which would index outside a learned table); its
     output is hidden by the mask anyway.
     """
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask: {kind_of(mask)}; expected a bool tensor (batch, length)")
     return (mask.long().cumsum(dim=-1) - 1).clamp(min=0)

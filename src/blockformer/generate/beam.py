@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import UsageError
 from .batching import BOS_ID, EOS_ID
-from ..models.checks import check_real, trusted_inputs
+from ..models.checks import check_int, check_real, trusted_inputs
 from .seq2seq import check_seq2seq_args, memory_mask as memory_mask_of, source_batch, target_limits
 from .step import eval_mode, prepare_step, seq2seq_step
 
@@ -36,6 +36,8 @@ class Hypothesis:
 def length_penalty(length: int, alpha: float) -> float:
     """GNMT's ``((5 + length) / 6) ** alpha``: alpha = 0 ranks by raw log-probability;
     larger alpha favours longer outputs."""
+    check_int(length, "length", 0)
+    check_real(alpha, "alpha")
     return ((5 + length) / 6) ** alpha
 
 

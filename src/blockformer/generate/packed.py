@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..hardware import cpu_has
+from ..models.checks import check_model
 from .quantize import swap_linears
 
 
@@ -78,6 +79,8 @@ def pack_linears(model: nn.Module) -> nn.Module:
     """Replace every plain ``nn.Linear`` of a CPU ``model`` in place by a ``PackedLinear``
     where its dtype packs (``can_pack``); others are left as they are. Returns ``model``,
     in eval mode."""
+    check_model(model)
+
     def make(linear: nn.Linear) -> PackedLinear | None:  # not subclasses: LoRA adds adapters to its product
         packs = type(linear) is nn.Linear and linear.weight.device.type == "cpu" and can_pack(linear.weight.dtype)
         return PackedLinear(linear) if packs else None

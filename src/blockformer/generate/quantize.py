@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.checks import check_model
+
 
 KERNEL_MAX_ROWS = 4  # the packed CPU kernels beat a dense matmul only for a few rows
 
@@ -146,6 +148,7 @@ def quantize(model: nn.Module, scheme: str | None, group_size: int = 128) -> nn.
     Embeddings, norms and MoE routers keep their dtype; stacked MoE experts are stored in
     int8 under either scheme; a head tied to the embedding gets its own quantized copy.
     Quantize after moving the model to its device. Returns ``model``, in eval mode."""
+    check_model(model)
     if scheme is None:
         return model
     if scheme not in SCHEMES:
@@ -175,6 +178,7 @@ def prepare_for_decoding(
     from ..train.precision import DTYPES  # noqa: PLC0415
     from .packed import pack_linears  # noqa: PLC0415
 
+    check_model(model)
     if precision not in DTYPES:
         raise ValueError(f"precision={precision!r}: expected one of {tuple(DTYPES)}")
     if DTYPES[precision] != torch.float32:

@@ -119,6 +119,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     ``probs[i]`` (the exponential race; gpt-fast samples this way), unlike
     ``torch.multinomial``, which synchronises with the host.
     """
+    if not isinstance(probs, torch.Tensor) or not probs.is_floating_point():
+        what = f"dtype {probs.dtype}" if isinstance(probs, torch.Tensor) else kind_of(probs)
+        raise TypeError(f"probs: {what}; expected a float tensor (batch, vocab) of probabilities")
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
     race.clamp_(min=torch.finfo(race.dtype).tiny)  # an exact 0 would give 0/0 on a filtered token
     return (probs / race).argmax(dim=-1)

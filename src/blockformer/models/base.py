@@ -14,7 +14,7 @@ from ..nn.kv_cache import KVCache
 from ..nn.loss import head_loss
 from ..nn.moe import MoEFeedForward
 from ..nn.position import RelativeBias
-from .checks import check_targets
+from .checks import check_int, check_targets
 from .head_layers import HeadTransform
 
 
@@ -101,6 +101,8 @@ class TransformerModel(nn.Module):
         """A preallocated cache for decoding up to ``max_len`` target tokens. With a sliding
         window it holds at most two windows (a ring: any length decodes in bounded memory;
         feed it at most ``window + 1`` tokens a call)."""
+        check_int(batch_size, "batch_size", 1)
+        check_int(max_len, "max_len", 1)
         param = next(self.parameters())
         # The attention layers' own head count: a tensor-parallel rank holds n_kv_heads / tp.
         n_kv_heads = next(m.n_kv_heads for m in self.modules() if isinstance(m, Attention))

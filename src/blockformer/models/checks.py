@@ -19,6 +19,7 @@ import torch
 
 from ..config import ADDITIVE_POSITIONS, TransformerConfig
 from ..errors import UsageError
+from ..nn.kv_cache import KVCache
 from ..schema import kind_of
 
 _TRUSTED = [0]  # depth of trusted_inputs() blocks
@@ -196,3 +197,18 @@ def check_memory(memory: object, tgt: torch.Tensor, src_mask: object, d_model: i
                          f"model.encode(src)")
     check_batch(memory, tgt.shape[0], "memory", "tgt")
     check_mask(src_mask, memory[..., 0], "src_mask")
+
+
+def check_cache(cache: object, cache_pos: object, tokens: torch.Tensor, name: str = "tokens") -> None:
+    """A ``KVCache`` with the tokens' batch and ``cache_pos`` (T,) integer slots, one per
+    token. Metadata only: this runs at every decode step."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache: {kind_of(cache)}; expected a KVCache from model.new_cache(batch_size, max_len)")
+    if cache_pos is None:
+        raise UsageError("cache_pos is required with a cache: the slots these tokens fill")
+    if not isinstance(cache_pos, torch.Tensor) or cache_pos.dtype == torch.bool or cache_pos.is_floating_point():
+        what = f"dtype {cache_pos.dtype}" if isinstance(cache_pos, torch.Tensor) else kind_of(cache_pos)
+        raise TypeError(f"cache_pos: {what}; expected an integer tensor (length,) of cache slots")
+    if tuple(cache_pos.shape) != (tokens.shape[1],):
+        raise UsageError(f"cache_pos: shape {tuple(cache_pos.shape)}; expected ({tokens.shape[1]},), one slot per token")
+    check_batch(tokens, cache.valid.shape[0], name, "the cache (new_cache(batch_size, ...))")

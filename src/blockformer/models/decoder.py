@@ -8,7 +8,7 @@ from ..config import TransformerConfig
 from ..nn.kv_cache import KVCache
 from ..nn.stack import Stack
 from .base import TransformerModel, default_positions
-from .checks import check_ids, check_mask, check_positions
+from .checks import check_cache, check_ids, check_mask, check_positions
 from .embedding import Embedding
 
 
@@ -55,9 +55,9 @@ class DecoderModel(TransformerModel):
     ) -> torch.Tensor:
         """tokens (B, T) -> the last block's hidden states (B, T, d_model), before the LM
         head: what a task head reads."""
-        if cache is not None and cache_pos is None:
-            raise ValueError("cache_pos is required with a cache: the slots these tokens fill")
         check_ids(tokens, self.cfg.vocab_size, values=cache is None)  # cached steps: checked by their caller
+        if cache is not None:
+            check_cache(cache, cache_pos, tokens)
         check_mask(attention_mask, tokens, "attention_mask")
         if cache is None:
             check_positions(self.cfg, tokens, positions)

@@ -12,7 +12,7 @@ from ..config import TransformerConfig
 from ..nn.kv_cache import KVCache
 from ..nn.stack import Stack
 from .base import TransformerModel, default_positions
-from .checks import check_batch, check_ids, check_mask, check_memory, check_positions
+from .checks import check_batch, check_cache, check_ids, check_mask, check_memory, check_positions
 from .embedding import Embedding
 from .inputs import build_input, stack_config
 
@@ -67,11 +67,11 @@ class EncoderDecoderModel(TransformerModel):
         """tgt (B, T) -> logits (B, T, vocab), or with ``targets`` the summed loss. With a
         cache, ``memory`` is needed only on the first call: cross-attention keys and values
         are computed once and kept."""
-        if cache is not None and cache_pos is None:
-            raise ValueError("cache_pos is required with a cache: the slots these tokens fill")
         if memory is None and cache is None:
             raise ValueError("decode needs the encoder output (memory) or a filled cache")
         check_ids(tgt, self.cfg.vocab_size, "tgt", values=cache is None)
+        if cache is not None:
+            check_cache(cache, cache_pos, tgt, "tgt")
         check_mask(tgt_mask, tgt, "tgt_mask")
         if memory is not None:
             check_memory(memory, tgt, src_mask, self.cfg.d_model)

@@ -126,6 +126,8 @@ def test_checks_do_not_break_a_fullgraph_compile():
     x = torch.tensor([[1, 2, 3, 4]])
     compiled = torch.compile(m, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x), m(x))
+    # the targets= checks too: metadata in the graph, the id range only outside it
+    torch.testing.assert_close(compiled(x, targets=x, label_smoothing=0.1), m(x, targets=x, label_smoothing=0.1))
 
 
 # ---------------------------------------------------------------------- the fuzz table
@@ -287,6 +289,7 @@ BAD_CALLS = {
     "train_tokenizer None": (lambda: train_tokenizer("char", None), TypeError, "texts: None; expected an iterable"),
     "load_tokenizer None": (lambda: load_tokenizer(None), TypeError, "path: None; expected a path"),
     # other formats and sizes
+    "memory_estimate dict": (lambda: memory_estimate({"d_model": 16}, 1, 8), TypeError, "cfg: a dict; expected a TransformerConfig"),
     "from_hf None": (lambda: from_hf(None), TypeError, "source: None; expected a Hugging Face model directory"),
     "from_hf Linear": (lambda: from_hf(torch.nn.Linear(2, 2)), TypeError, "source: a Linear; expected a Hugging Face"),
     "from_hf our model": (lambda: from_hf(DEC), TypeError, "source: a DecoderModel; expected a Hugging Face"),
@@ -316,3 +319,14 @@ def test_the_checks_let_good_arguments_through():
     assert len(beam_search(S2S, [[4, 5]], beam_size=V, max_len=3)) == 1
     assert greedy_decode(S2S, [[4, 5]], max_len=3, check_every=1) is not None
     assert len(build_model(cfg(), seed=2**63).state_dict()) > 0
+
+
+@pytest.mark.xfail(strict=True, raises=(AttributeError, TypeError),
+                   reason="stats.py is not this change's file: count_parameters/flops_per_token should call models.checks.check_model/check_config first (issue 21 report)")
+@pytest.mark.parametrize("thunk, message", [
+    (lambda: count_parameters("gpt2"), "model: a str; expected a blockformer model"),
+    (lambda: flops_per_token({"d_model": 16}), "cfg: a dict; expected a TransformerConfig"),
+])
+def test_size_functions_refuse_what_is_not_a_model_or_config(thunk, message):
+    with pytest.raises(TypeError, match=message):
+        thunk()

@@ -45,8 +45,9 @@ def test_chinchilla_fit_refuses_fewer_points_than_parameters_plus_a_margin():
         fit_chinchilla(n2, d2, _chinchilla(n2, d2), bootstrap=0)
 
 
-def test_kaplan_fit_refuses_a_power_law_through_two_sizes():
-    fit_kaplan([1e5, 1e6, 1e7], [3.0, 2.5, 2.1], bootstrap=0)
+def test_kaplan_fit_refuses_a_power_law_through_two_sizes_and_an_interval_through_three():
+    assert fit_kaplan([1e5, 1e6, 1e7], [3.0, 2.5, 2.1], bootstrap=100).interval is None  # covered 70% of 95%
+    assert fit_kaplan([1e5, 1e6, 1e7, 1e8], [3.0, 2.5, 2.1, 1.9], bootstrap=100).interval is not None
     with pytest.raises(ValueError, match="2 model sizes"):
         fit_kaplan([1e5, 1e6, 1e6, 1e5], [3.0, 2.5, 2.4, 3.1], bootstrap=0)
 

@@ -197,7 +197,7 @@ def fit_points(points: list[Point], *, bootstrap: int = 100, budget: float | Non
     N and D for ``budget`` FLOPs (default: 10x the largest run). A fit the points cannot
     support (``fit.chinchilla_problem``, ``fit.kaplan_problem``) is skipped, and
     ``summary["skipped"]`` says why: the plot and the report show that instead of a curve."""
-    from .fit import chinchilla_problem, fit_chinchilla, fit_kaplan, kaplan_problem  # noqa: PLC0415
+    from .fit import INTERVAL_SIZES, chinchilla_problem, fit_chinchilla, fit_kaplan, kaplan_problem  # noqa: PLC0415
 
     out: dict[str, Any] = {"points": [dataclasses.asdict(p) for p in points], "notes": [], "skipped": {}}
     N, D = [p.parameters for p in points], [p.tokens for p in points]
@@ -216,6 +216,9 @@ def fit_points(points: list[Point], *, bootstrap: int = 100, budget: float | Non
         kaplan = fit_kaplan([p.non_embedding for p in at_largest], [p.val_loss for p in at_largest],
                             bootstrap=bootstrap)
         out["kaplan"] = {**kaplan.to_dict(), "tokens": largest}
+        if kaplan.interval is None and bootstrap:
+            out["notes"].append(f"Kaplan interval not given: {len(at_largest)} sizes; a bootstrap through "
+                                f"fewer than {INTERVAL_SIZES} covers far below its nominal 95%")
     else:
         out["skipped"]["kaplan"] = f"{why} (at the largest budget, D = {largest:,})"
         out["notes"].append(f"Kaplan fit skipped: {out['skipped']['kaplan']}")

@@ -7,9 +7,18 @@ evaluates, saves a checkpoint and keeps the last k and the best. SIGINT/SIGTERM,
 ``train.max_minutes`` running out, finish the current step, save, and return.
 
 The run directory is locked for the whole call (``run_dir.RunLock``); a fresh run refuses
-a directory that holds an earlier run unless ``overwrite``. A non-finite loss stops the
-run (``NonFiniteLoss``; the weights are not updated by that step and the checkpoints on
-disk are kept) or, with ``train.nonfinite="skip"``, skips that step's update.
+a directory that holds an earlier run unless ``overwrite``.
+
+A kept checkpoint is always finite. Each step checks its loss and its gradients' norm
+(computed for clipping anyway) on the device: a non-finite one makes no update, and stops
+the run (``NonFiniteLoss``, the checkpoints on disk kept) or, with
+``train.nonfinite="skip"``, is skipped. A finite loss and gradient can still give
+non-finite weights (an lr so large the update overflows) or finite weights that overflow
+in the forward pass, so the weights and the validation loss are checked again at each
+evaluation, before anything is saved: one max-abs per tensor, once per evaluation rather
+than per step. There ``stop`` stops, naming the last finite checkpoint, and ``skip``
+puts the weights and optimizer state back as they were at that checkpoint (or at the
+start of the run) and carries on.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from .. import parallel
 from ..errors import UsageError
@@ -73,11 +83,13 @@ class TrainResult:
     interrupted: bool = False
     signal: int | None = None  # SIGINT/SIGTERM when a signal stopped the run
     skipped: int = 0  # steps whose update was skipped for a non-finite loss (train.nonfinite="skip")
+    restored: int = 0  # evaluations that found non-finite weights or loss and went back (skip)
     main: bool = True  # False on every rank of a parallel run but rank 0 (which reports)
 
 
 class NonFiniteLoss(UsageError):
-    """The training loss became NaN or infinite (``train.nonfinite="stop"``)."""
+    """The training loss, the gradients, the weights or the validation loss became NaN or
+    infinite (``train.nonfinite="stop"``)."""
 
     exit_code = 3
 
@@ -179,8 +191,36 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
     log(f"throughput: {flops_tok:.3g} training FLOPs per token; {tc.precision} matmul peak "
         f"{format_flops(peak or 0)} (`blockformer info --peak` measures it again)")
 
+    params = [p for p in model.parameters() if p.requires_grad]
+    good = resume  # the last checkpoint known finite; skip mode goes back to it
+    initial = None  # ... or, before the first, to these: the trainable weights at the start
+    if resume is None and tc.nonfinite == "skip" and par is None:
+        initial = [p.detach().to("cpu", copy=True) for p in params]
+
+    def back_to_good(what: str) -> None:
+        """Non-finite ``what`` at this evaluation: stop, or (skip) restore the last finite state."""
+        if tc.nonfinite == "stop" or par is not None:
+            raise NonFiniteLoss(_diverged(what, step, tc, good, par is not None))
+        _restore(model, optimizer, scaler, params, good, initial, device)
+        result.restored += 1
+        log(f"step {step}: {what} NaN or infinite; weights and optimizer state restored from "
+            f"{good or 'the start of the run'}")
+
+    def checked_eval() -> dict[str, float]:
+        """The validation metrics of finite weights, written to the metrics and the log."""
+        for attempt in range(2):
+            val = _evaluate(objective, model, tc, device) if finite_weights(params, par) else None
+            if val is not None and math.isfinite(val["val_loss"]):
+                break
+            what = "the weights" if val is None else "the validation loss"
+            if attempt:  # restoring did not help: the checkpoint itself is bad
+                raise NonFiniteLoss(_diverged(what, step, tc, good, par is not None))
+            back_to_good(what)
+        _report(val, step, metrics, bar, log)
+        return val
+
     def save(val: dict[str, float] | None) -> Path:
-        nonlocal best_loss
+        nonlocal best_loss, good, initial
         trainer_state = {
             "step": step,
             "scheduler": scheduler.state_dict(),
@@ -195,6 +235,7 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
             path = save_checkpoint(directory, model, run.tokenizer, cfg, trainer_state)
         else:  # the optimizer state is sharded: in the checkpoint's dcp/
             path = save_sharded(par, directory, model, optimizer, run.tokenizer, cfg, trainer_state)
+        good, initial = path, None  # checked finite before saving
         if val and val["val_loss"] < best_loss:
             best_loss = val["val_loss"]
             if main:
@@ -209,7 +250,6 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
     bar = _progress(tc, step, last_stop) if main else None
     pending: list[tuple[int, torch.Tensor]] = []  # (step, loss on the device), read at log steps
     t0, tokens_seen, targets_seen = time.perf_counter(), 0, 0
-    params = [p for p in model.parameters() if p.requires_grad]
     deadline = time.monotonic() + 60 * tc.max_minutes if tc.max_minutes else float("inf")
     with stopper:
         while step < last_stop and not stopper.requested and time.monotonic() < deadline:
@@ -244,11 +284,13 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
             if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
                 _read(pending, step, tc, run_dir, result, log, count=False)  # no checkpoint after a NaN
                 t_eval = time.perf_counter()
-                result.val = _evaluate(objective, model, tc, device, step, metrics, bar, log)
+                result.val = checked_eval()
                 result.checkpoint = save(result.val)
                 t0 += time.perf_counter() - t_eval  # tokens/s counts training time only
         result.losses.extend(_read(pending, step, tc, run_dir, result, log))
         if result.checkpoint is None or not result.checkpoint.name.endswith(f"{step:06d}"):
+            if not finite_weights(params, par):
+                back_to_good("the weights")
             result.checkpoint = save(None)  # stopped between evaluations
     if bar is not None:
         bar.close()
@@ -282,7 +324,7 @@ def _nonfinite(bad_steps: list[int], step: int, tc, run_dir: Path, result: Train
             f"train: the loss became NaN or infinite at step {bad_steps[0]}; that step made no update and "
             f"the run stopped at step {step} without saving. "
             f"Last checkpoint: {last[-1] if last else 'none'}. "
-            f"Expected a finite loss: lower train.lr (now {tc.lr:g}), raise train.warmup, or set "
+            f"Expected a finite loss and gradients: lower train.lr (now {tc.lr:g}), raise train.warmup, or set "
             f"train.nonfinite=skip to skip such steps"
         )
     for s in bad_steps:
@@ -307,10 +349,10 @@ def train_step(
 ) -> torch.Tensor | None:
     """One optimizer update from ``batches`` (the micro-batches of gradient accumulation),
     each weighted by its share of the target tokens; returns the mean loss per token.
-    With ``check_finite``, a NaN or infinite loss makes no update: one process with fused
-    AdamW skips it on the device (its ``found_inf`` input, as ``GradScaler`` uses it) and the
-    loss comes back non-finite, with no host sync; otherwise the host checks and None comes
-    back. ``loss_fn`` replaces ``objective.loss`` (the compiled one, under ``train.compile``).
+    With ``check_finite``, a NaN or infinite loss or gradient norm makes no update: one
+    process with fused AdamW skips it on the device (its ``found_inf`` input, as
+    ``GradScaler`` uses it) and the loss comes back non-finite, with no host sync; otherwise
+    the host checks and None comes back (fp16: the loss only; its scaler skips inf gradients). ``loss_fn`` replaces ``objective.loss`` (the compiled one, under ``train.compile``).
     In a parallel run ``batches`` are global: each rank computes the loss of its rows
     (``par.local_batch``) and the total is the global batch's."""
     model.train()
@@ -332,37 +374,94 @@ def train_step(
                 scaler.scale(share).backward()
             total += loss_sum.detach()
         total = parallel.loss_total(par, total)
-    on_device = (check_finite and par is None and not scaler.is_enabled()
-                 and bool(optimizer.defaults.get("fused")))
-    if check_finite and not on_device and not bool(torch.isfinite(total)):
+    fp16 = scaler.is_enabled()
+    on_device = check_finite and par is None and not fp16 and bool(optimizer.defaults.get("fused"))
+    if check_finite and fp16 and not bool(torch.isfinite(total)):
         optimizer.zero_grad(set_to_none=True)
         return None
     scaler.unscale_(optimizer)  # clip the true gradients (a no-op unless fp16)
-    if tc.grad_clip > 0:
-        clip = torch.nn.utils.clip_grad_norm_ if par is None else par.clip_grad_norm_
-        clip(params, tc.grad_clip)
+    norm = _clip(params, tc, par, measure=check_finite and not fp16)
+    finite = None  # a finite loss can still backpropagate inf, which AdamW turns into NaN weights
+    if check_finite and norm is not None:
+        finite = torch.isfinite(total) & torch.isfinite(norm)
+    if check_finite and not fp16 and not on_device and not bool(finite):
+        optimizer.zero_grad(set_to_none=True)
+        return None
     if on_device:
-        optimizer.grad_scale, optimizer.found_inf = None, (~torch.isfinite(total)).float()
+        optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()
         try:
             optimizer.step()  # the fused kernel leaves weights, moments and step count as they were
         finally:
             del optimizer.grad_scale, optimizer.found_inf
-    else:
-        scaler.step(optimizer)
-        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return torch.where(finite, total / n_targets, torch.nan)  # a skipped update reads as non-finite
+    scaler.step(optimizer)
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return total / n_targets
 
 
-def _evaluate(objective: Objective, model, tc, device, step, metrics, bar, log) -> dict[str, float]:
+def _clip(params: list[torch.nn.Parameter], tc: Any, par, *, measure: bool) -> torch.Tensor | None:
+    """Clip the gradients' global norm to ``train.grad_clip`` (when > 0); returns the norm
+    before clipping (on the device), computed without clipping only when ``measure``."""
+    if tc.grad_clip <= 0 and not measure:
+        return None
+    if par is not None:
+        return par.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+    if tc.grad_clip > 0:
+        return torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
+
+def finite_weights(params: list[torch.nn.Parameter], par: parallel.Parallel | None = None) -> bool:
+    """Whether every weight in ``params`` is finite, on every rank: one max-abs per tensor
+    (exact, where a 2-norm overflows at 1e19) and one host read."""
+    local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]
+    bad = (~torch.stack(torch._foreach_norm(local, float("inf"))).isfinite()).any().float()
+    if par is not None:
+        torch.distributed.all_reduce(bad)  # every rank holds other weights; all must agree
+    return not bool(bad)
+
+
+def _restore(model, optimizer, scaler, params, good: Path | None, initial, device) -> None:
+    """``train.nonfinite="skip"``: the weights, optimizer and scaler state of checkpoint
+    ``good``; without one, the run's ``initial`` weights and a fresh optimizer state."""
+    if good is None:
+        with torch.no_grad():
+            for p, saved in zip(params, initial):
+                p.copy_(saved)
+        optimizer.state.clear()  # AdamW starts again: no moments, step 0
+        return
+    load_weights(model, good, device)
+    state = load_trainer_state(good)
+    with kernel_kept(optimizer):
+        if "optimizer" in state:
+            optimizer.load_state_dict(state["optimizer"])
+        else:  # written by a parallel run: its moments are sharded elsewhere
+            optimizer.state.clear()
+    scaler.load_state_dict(state["scaler"])
+
+
+def _diverged(what: str, step: int, tc, good: Path | None, parallel_run: bool) -> str:
+    why = " (a parallel run cannot go back to it: it stops)" if parallel_run and tc.nonfinite == "skip" else ""
+    return (f"train: {what} became NaN or infinite by step {step} (the loss and gradients were finite: an update "
+            f"overflowed); nothing was saved at this step. Last finite checkpoint: {good or 'none'}{why}. "
+            f"Expected finite weights: lower train.lr (now {tc.lr:g}) or raise train.warmup, then resume from it"
+            f"{'' if tc.nonfinite == 'skip' else ', or set train.nonfinite=skip to go back to it and carry on'}")
+
+
+def _evaluate(objective: Objective, model, tc, device) -> dict[str, float]:
     with autocast(tc.precision, device):
         val = objective.evaluate(model, tc)
     if objective.token_loss:  # perplexity means something only for a loss per token
         val["val_ppl"] = perplexity(val["val_loss"])
+    return val
+
+
+def _report(val: dict[str, float], step: int, metrics, bar, log) -> None:
     metrics.write({"split": "val", "step": step, **val})
     text = "  ".join(f"{k} {v:.4g}" for k, v in val.items())
     (bar.write if bar is not None else log)(f"step {step}: {text}")
-    return val
 
 
 def _progress(tc, start: int, stop: int):

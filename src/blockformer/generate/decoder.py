@@ -214,7 +214,8 @@ def check_decoding_args(
     out = []
     for i, s in enumerate(stop_sequences):
         if isinstance(s, (str, bytes, int)) or not hasattr(s, "__len__"):
-            raise TypeError(f"stop_sequences[{i}]: {s!r}; expected a list of token ids (encode text with the tokenizer)")
+            raise TypeError(f"stop_sequences[{i}]: {s!r}; expected a list of token ids (encode text with the "
+                            "tokenizer)")
         ids = s.tolist() if hasattr(s, "tolist") else list(s)
         if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
             raise TypeError(f"stop_sequences[{i}]: expected integer token ids")

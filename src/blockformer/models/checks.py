@@ -97,7 +97,8 @@ def check_positions(
 # ---------------------------------------------------------------------- arguments
 # Plain Python arguments of the public functions (build_model, generate, beam search, ...):
 # a wrong type is a TypeError, a wrong value a UsageError (a ValueError), each naming the
-# argument. They read no tensor values, so they cost nothing.
+# argument. Only ``check_targets`` reads a tensor's values (its ids, once per call, as
+# ``check_ids`` does for the tokens); the others read metadata and cost nothing.
 
 SEED_RANGE = 2**64  # torch.manual_seed takes [0, 2**64); a negative seed wraps around silently
 
@@ -171,7 +172,6 @@ def check_model(model: object, name: str = "model", arch: str | None = None) -> 
 def check_targets(targets: object, tokens: torch.Tensor, vocab_size: int, label_smoothing: object) -> None:
     """``targets`` (B, T) ids like ``tokens``, and ``label_smoothing`` in ``[0, 1)``."""
     check_ids(targets, vocab_size, "targets")
-    assert isinstance(targets, torch.Tensor)
     if tuple(targets.shape) != tuple(tokens.shape):
         raise UsageError(f"targets: shape {tuple(targets.shape)}; expected {tuple(tokens.shape)}, one target per "
                          f"input token")
@@ -189,7 +189,8 @@ def check_memory(memory: object, tgt: torch.Tensor, src_mask: object, d_model: i
     """The encoder's output for ``decode``: a float (batch, length, d_model) tensor with the
     target's batch, and ``src_mask`` (batch, length) beside it."""
     if not isinstance(memory, torch.Tensor):
-        raise TypeError(f"memory: {kind_of(memory)}; expected a float tensor (batch, length, d_model), model.encode(src)")
+        raise TypeError(f"memory: {kind_of(memory)}; expected a float tensor (batch, length, d_model), "
+                        f"model.encode(src)")
     if not memory.is_floating_point():
         raise TypeError(f"memory: dtype {memory.dtype}; expected a float tensor, the encoder's output")
     if memory.dim() != 3 or memory.shape[-1] != d_model:
@@ -210,5 +211,6 @@ def check_cache(cache: object, cache_pos: object, tokens: torch.Tensor, name: st
         what = f"dtype {cache_pos.dtype}" if isinstance(cache_pos, torch.Tensor) else kind_of(cache_pos)
         raise TypeError(f"cache_pos: {what}; expected an integer tensor (length,) of cache slots")
     if tuple(cache_pos.shape) != (tokens.shape[1],):
-        raise UsageError(f"cache_pos: shape {tuple(cache_pos.shape)}; expected ({tokens.shape[1]},), one slot per token")
+        raise UsageError(f"cache_pos: shape {tuple(cache_pos.shape)}; expected ({tokens.shape[1]},), one slot per "
+                         f"token")
     check_batch(tokens, cache.valid.shape[0], name, "the cache (new_cache(batch_size, ...))")

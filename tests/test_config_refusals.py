@@ -44,6 +44,14 @@ def test_the_command_line_refuses_a_bad_beta_in_one_line(capsys):
     assert err.count("\n") == 1 and "train.beta1=1.5" in err and "Invalid beta" not in err
 
 
+def test_the_command_line_refuses_a_negative_seed(capsys, tmp_path):
+    assert main(["train", "--set", "train.seed=-3"]) == 2
+    assert "train.seed=-3: expected an integer >= 0" in capsys.readouterr().err
+    assert main(["generate", "--checkpoint", str(tmp_path), "--seed", "-1"]) == 2  # refused before any loading
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--seed -1: expected an integer in [0, 2**63)" in err
+
+
 def test_a_toml_file_with_a_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "run.toml"
     path.write_bytes(b"\xef\xbb\xbf[train]\nsteps = 7\n")

@@ -148,7 +148,7 @@ def test_an_inf_gradient_under_a_finite_loss_makes_no_update(tmp_path, kernel, g
 
 def test_finite_weights_sees_one_bad_value_and_not_large_finite_ones():
     params = [torch.nn.Parameter(torch.full((3, 3), 1e30)), torch.nn.Parameter(torch.zeros(4))]
-    assert finite_weights(params)  # 1e30 squared overflows a 2-norm; the max-abs does not
+    assert finite_weights(params)  # 1e30 squared overflows the 2-norm: checked again exactly
     for bad in (float("nan"), float("inf"), -float("inf")):
         with torch.no_grad():
             params[1][2] = bad

@@ -15,7 +15,7 @@ the run (``NonFiniteLoss``, the checkpoints on disk kept) or, with
 ``train.nonfinite="skip"``, is skipped. A finite loss and gradient can still give
 non-finite weights (an lr so large the update overflows) or finite weights that overflow
 in the forward pass, so the weights and the validation loss are checked again at each
-evaluation, before anything is saved: one max-abs per tensor, once per evaluation rather
+evaluation, before anything is saved: one 2-norm per tensor, once per evaluation rather
 than per step. There ``stop`` stops, naming the last finite checkpoint, and ``skip``
 puts the weights and optimizer state back as they were at that checkpoint (or at the
 start of the run) and carries on.
@@ -414,13 +414,18 @@ def _clip(params: list[torch.nn.Parameter], tc: Any, par, *, measure: bool) -> t
 
 
 def finite_weights(params: list[torch.nn.Parameter], par: parallel.Parallel | None = None) -> bool:
-    """Whether every weight in ``params`` is finite, on every rank: one max-abs per tensor
-    (exact, where a 2-norm overflows at 1e19) and one host read."""
+    """Whether every weight in ``params`` is finite, on every rank. One fused 2-norm per
+    tensor (NaN and inf reach it) and one host read; a tensor whose norm overflows, which
+    finite values past 1e19 also do, is then checked element by element."""
     local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]
-    bad = (~torch.stack(torch._foreach_norm(local, float("inf"))).isfinite()).any().float()
-    if par is not None:
-        torch.distributed.all_reduce(bad)  # every rank holds other weights; all must agree
-    return not bool(bad)
+    norms = torch.stack(torch._foreach_norm(local)) if local else torch.zeros(1)
+    suspects = (~norms.isfinite()).nonzero().flatten().tolist()  # nearly always empty
+    bad = any(not bool(torch.isfinite(local[i]).all()) for i in suspects)
+    if par is not None:  # every rank holds other weights; all must agree
+        flag = torch.tensor(float(bad), device=norms.device)
+        torch.distributed.all_reduce(flag)
+        bad = bool(flag)
+    return not bad
 
 
 def _restore(model, optimizer, scaler, params, good: Path | None, initial, device) -> None:

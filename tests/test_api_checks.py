@@ -321,11 +321,11 @@ def test_the_checks_let_good_arguments_through():
     assert len(build_model(cfg(), seed=2**63).state_dict()) > 0
 
 
-@pytest.mark.xfail(strict=True, raises=(AttributeError, TypeError),
-                   reason="stats.py is not this change's file: count_parameters/flops_per_token should call models.checks.check_model/check_config first (issue 21 report)")
 @pytest.mark.parametrize("thunk, message", [
     (lambda: count_parameters("gpt2"), "model: a str; expected a blockformer model"),
     (lambda: flops_per_token({"d_model": 16}), "cfg: a dict; expected a TransformerConfig"),
+    (lambda: count_parameters(None), "model: None; expected a blockformer model"),
+    (lambda: memory_estimate(TransformerConfig(), "8", 16), "batch_size: '8'; expected an integer"),
 ])
 def test_size_functions_refuse_what_is_not_a_model_or_config(thunk, message):
     with pytest.raises(TypeError, match=message):

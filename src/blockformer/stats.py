@@ -5,10 +5,12 @@ from __future__ import annotations
 from torch import nn
 
 from .config import TransformerConfig
+from .models.checks import check_config, check_int, check_model
 
 
 def count_parameters(model: nn.Module, *, trainable_only: bool = False, exclude_embeddings: bool = False) -> int:
     """Unique parameters (a tied matrix counts once); optionally without embedding tables."""
+    check_model(model)
     seen: set[int] = set()
     skip: set[int] = set()
     if exclude_embeddings:
@@ -62,7 +64,8 @@ def flops_per_token(cfg: TransformerConfig, seq_len: int | None = None, *, train
     triples it for the backward pass (Kaplan et al. 2020; PaLM appendix B). For an
     encoder-decoder, a source token of the same length is counted with each target token.
     """
-    T = seq_len or cfg.max_seq_len
+    check_config(cfg)
+    T = cfg.max_seq_len if seq_len is None else check_int(seq_len, "seq_len", low=1)
     d = cfg.d_model
     n = block_weights(cfg)
     if cfg.arch == "encoder-decoder":
@@ -83,6 +86,10 @@ def memory_estimate(cfg: TransformerConfig, batch_size: int, seq_len: int, *, by
     from .models import build_model  # noqa: PLC0415 - avoids an import cycle
     import torch
 
+    check_config(cfg)
+    check_int(batch_size, "batch_size", low=1)
+    check_int(seq_len, "seq_len", low=1)
+    check_int(bytes_per_value, "bytes_per_value", low=1)
     with torch.device("meta"):
         params = count_parameters(build_model(cfg))
     layers = cfg.total_layers

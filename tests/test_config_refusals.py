@@ -76,3 +76,29 @@ def test_ctrl_c_while_the_command_loads_is_one_line_and_exit_130(monkeypatch, ca
     assert code == 130
     err = capsys.readouterr().err
     assert err == "blockformer train: interrupted\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["module", "script"])
+def test_a_real_ctrl_c_while_torch_imports_is_one_line_and_exit_130(tmp_path, entry):
+    """A SIGINT at several moments of start-up (the package, torch, the subcommand loading):
+    never a traceback. ``import blockformer`` loads nothing heavy, so torch loads inside the
+    command line's handling."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    exe = [sys.executable, "-m", "blockformer"] if entry == "module" else [str(Path(sys.executable).with_name("blockformer"))]
+    if entry == "script" and not Path(exe[0]).exists():
+        pytest.skip("the blockformer console script is not installed beside this python")
+    for delay in (0.1, 0.4, 1.0):
+        p = subprocess.Popen([*exe, "train", "--preset", "copy", "--out", str(tmp_path / "run")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+        assert "Traceback" not in err, (delay, err)
+        assert p.returncode == 130, (delay, p.returncode, err)
+        assert err.strip().endswith("interrupted"), (delay, err)

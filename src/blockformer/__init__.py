@@ -1,25 +1,49 @@
 """blockformer: the Transformer's standard block, stacked into encoders, decoders and
-encoder-decoders, with the training, generation and probes around it."""
+encoder-decoders, with the training, generation and probes around it.
 
-from .config import TransformerConfig
-from .nn import Block, KVCache
-from .models import build_model, DecoderModel, EncoderModel, EncoderDecoderModel
-from .stats import count_parameters, flops_per_token, memory_estimate
-from .interop import from_hf, to_hf
+The names below load on first use (PEP 562), so ``python -m blockformer`` and the
+``blockformer`` command import torch inside the command line's own error handling: a
+Ctrl-C while it loads is one line and exit 130, not a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "TransformerConfig",
-    "Block",
-    "KVCache",
-    "build_model",
-    "DecoderModel",
-    "EncoderModel",
-    "EncoderDecoderModel",
-    "count_parameters",
-    "flops_per_token",
-    "memory_estimate",
-    "from_hf",
-    "to_hf",
-]
+_EXPORTS = {
+    "TransformerConfig": ".config",
+    "Block": ".nn",
+    "KVCache": ".nn",
+    "build_model": ".models",
+    "DecoderModel": ".models",
+    "EncoderModel": ".models",
+    "EncoderDecoderModel": ".models",
+    "count_parameters": ".stats",
+    "flops_per_token": ".stats",
+    "memory_estimate": ".stats",
+    "from_hf": ".interop",
+    "to_hf": ".interop",
+}
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:
+    from .config import TransformerConfig
+    from .interop import from_hf, to_hf
+    from .models import DecoderModel, EncoderDecoderModel, EncoderModel, build_model
+    from .nn import Block, KVCache
+    from .stats import count_parameters, flops_per_token, memory_estimate
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'blockformer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

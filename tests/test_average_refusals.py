@@ -82,7 +82,8 @@ def test_one_checkpoint_unlike_the_other_is_named_with_its_tensor(tmp_path, caps
     (_extra, "is not in the model its config.json describes"),
     (_narrowed, "but the model its config.json describes has"),
 ])
-def test_checkpoints_alike_but_unlike_their_config_are_named_with_the_tensor(tmp_path, capsys, change, message):
+def test_checkpoints_alike_but_unlike_their_config_are_named_with_the_tensor(
+        tmp_path, capsys, change, message):
     a, b = _ckpt(tmp_path / "a", 0), _ckpt(tmp_path / "b", 1)
     name = _edit(a / WEIGHTS, change)
     assert _edit(b / WEIGHTS, change) == name

@@ -31,7 +31,8 @@ def _digest(path) -> str:
 def finished_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("links") / "run"
     train(tiny_task("train.steps=2", "train.eval_every=1", "train.keep_last=5"), run, **QUIET)
-    assert {"config.toml", "metrics.jsonl", "loss.png", "best", "step-000002"} <= {p.name for p in run.iterdir()}
+    names = {p.name for p in run.iterdir()}
+    assert {"config.toml", "metrics.jsonl", "loss.png", "best", "step-000002"} <= names
     return run
 
 
@@ -51,7 +52,10 @@ def _copy_with_link(finished_run, tmp_path, name):
     return run, outside
 
 
-@pytest.mark.parametrize("name", ["config.toml", "metrics.jsonl", "loss.png", "step-000002", "step-000001", "best"])
+NAMES = ["config.toml", "metrics.jsonl", "loss.png", "step-000002", "step-000001", "best"]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_resuming_a_run_with_a_link_among_its_names_is_refused_and_the_target_kept(
         finished_run, tmp_path, capsys, name):
     run, outside = _copy_with_link(finished_run, tmp_path, name)

@@ -18,8 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "from the defaults, then --preset, then CONFIG.toml, then each --set. Output goes to "
         "runs/<train.name>: checkpoints (step-NNNNNN/, best/), metrics.jsonl and loss.png."
     )
-    parser.epilog = ("exit codes: 0 finished; 2 bad input or a file-system error; 3 the loss became NaN or "
-                     "infinite; 130 / 143 stopped by SIGINT / SIGTERM after saving a checkpoint")
+    parser.epilog = ("exit codes: 0 finished; 2 bad input or a file-system error; 3 the loss, gradients, "
+                     "weights or validation loss became NaN or infinite (no checkpoint holds them); "
+                     "130 / 143 stopped by SIGINT / SIGTERM after saving a checkpoint")
     parser.add_argument("config", nargs="?", metavar="CONFIG.toml", help="a TOML run config")
     parser.add_argument("--preset", metavar="NAME", help="a shipped config: " + ", ".join(preset_names()))
     parser.add_argument(

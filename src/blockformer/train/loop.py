@@ -324,8 +324,8 @@ def _nonfinite(bad_steps: list[int], step: int, tc, run_dir: Path, result: Train
             f"train: the loss became NaN or infinite at step {bad_steps[0]}; that step made no update and "
             f"the run stopped at step {step} without saving. "
             f"Last checkpoint: {last[-1] if last else 'none'}. "
-            f"Expected a finite loss and gradients: lower train.lr (now {tc.lr:g}), raise train.warmup, or set "
-            f"train.nonfinite=skip to skip such steps"
+            f"Expected a finite loss and gradients: lower train.lr (now {tc.lr:g}), raise train.warmup, "
+            f"or set train.nonfinite=skip to skip such steps"
         )
     for s in bad_steps:
         result.skipped += 1
@@ -352,7 +352,8 @@ def train_step(
     With ``check_finite``, a NaN or infinite loss or gradient norm makes no update: one
     process with fused AdamW skips it on the device (its ``found_inf`` input, as
     ``GradScaler`` uses it) and the loss comes back non-finite, with no host sync; otherwise
-    the host checks and None comes back (fp16: the loss only; its scaler skips inf gradients). ``loss_fn`` replaces ``objective.loss`` (the compiled one, under ``train.compile``).
+    the host checks and None comes back (fp16: the loss only; its scaler skips inf
+    gradients). ``loss_fn`` replaces ``objective.loss`` (the compiled one, under ``train.compile``).
     In a parallel run ``batches`` are global: each rank computes the loss of its rows
     (``par.local_batch``) and the total is the global batch's."""
     model.train()
@@ -448,11 +449,16 @@ def _restore(model, optimizer, scaler, params, good: Path | None, initial, devic
 
 
 def _diverged(what: str, step: int, tc, good: Path | None, parallel_run: bool) -> str:
-    why = " (a parallel run cannot go back to it: it stops)" if parallel_run and tc.nonfinite == "skip" else ""
-    return (f"train: {what} became NaN or infinite by step {step} (the loss and gradients were finite: an update "
-            f"overflowed); nothing was saved at this step. Last finite checkpoint: {good or 'none'}{why}. "
-            f"Expected finite weights: lower train.lr (now {tc.lr:g}) or raise train.warmup, then resume from it"
-            f"{'' if tc.nonfinite == 'skip' else ', or set train.nonfinite=skip to go back to it and carry on'}")
+    """The NonFiniteLoss message: what went non-finite, why it can, where to go back to."""
+    how = ("an update overflowed while the loss and gradients were finite" if what == "the weights"
+           else "the weights are finite but overflow in the forward pass")
+    stuck = parallel_run and tc.nonfinite == "skip"
+    why = " (a parallel run cannot go back to it: it stops)" if stuck else ""
+    then = "then resume from it" if good else "then start again"
+    skip = "" if tc.nonfinite == "skip" else ", or set train.nonfinite=skip to go back to it and carry on"
+    return (f"train: {what} became NaN or infinite by step {step} ({how}); nothing was saved at this step. "
+            f"Last finite checkpoint: {good or 'none'}{why}. Expected finite weights: lower train.lr "
+            f"(now {tc.lr:g}) or raise train.warmup, {then}{skip}")
 
 
 def _evaluate(objective: Objective, model, tc, device) -> dict[str, float]:

@@ -29,7 +29,7 @@ class MetricsLog:
     """
 
     def __init__(self, run_dir: str | Path, resume_step: int | None = None) -> None:
-        from .run_dir import replace_file  # noqa: PLC0415 - run_dir imports torch; readers of metrics need not
+        from .run_dir import replace_file  # noqa: PLC0415 - imports torch; readers of metrics need not
 
         self.path = Path(run_dir) / METRICS
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -311,8 +311,8 @@ def test_a_cache_directory_that_is_a_file_is_one_line(tmp_path, capsys):
 
 # ------------------------------------------------------------------ 5. inputs checked where they enter
 @pytest.mark.parametrize("item, message", [
-    ("train.lr=inf", "TrainConfig.lr=inf: expected a finite number"),
-    ("train.lr=nan", "TrainConfig.lr=nan: expected a finite number"),
+    ("train.lr=inf", "train.lr=inf: expected a finite number"),
+    ("train.lr=nan", "train.lr=nan: expected a finite number"),
     ("train.lerning_rate=1e-3", "train.lerning_rate: unknown key (did you mean 'lr'?)"),
     ("train.steps=100000000000000000000", "expected an integer below 2**53"),
     ("train.nonfinite=ignore", "expected one of 'stop', 'skip'"),

@@ -61,7 +61,7 @@ def test_file_typos_and_bad_values_are_named(tmp_path):
     with pytest.raises(UsageError, match=r"train.warmpu: unknown key \(did you mean 'warmup'\?\)"):
         load_run_config(path)
     path.write_text("[train]\nsteps = 'many'\n")
-    with pytest.raises(ValueError, match="TrainConfig.steps='many': expected int"):
+    with pytest.raises(ValueError, match="train.steps='many': expected int"):
         load_run_config(path)
     path.write_text("[train]\nsteps = 0\n")
     with pytest.raises(UsageError, match=r"train.steps=0: expected an integer >= 1"):

@@ -71,7 +71,7 @@ class DataConfig:
     zoom: float = 0.0  # images: training images scaled by a factor in [1 - zoom, 1 + zoom]
 
     def __post_init__(self) -> None:
-        check_types(self)
+        check_types(self, SECTION_OF[type(self).__name__])
         if self.shift < 0:
             raise UsageError(f"data.shift={self.shift!r}: expected an integer >= 0 (0 = no shifts)")
         if not 0.0 <= self.rotate <= 45.0:
@@ -157,7 +157,7 @@ class TrainConfig:
     activation_checkpointing: Checkpointing = "none"  # full: every block; selective: all but matmuls
 
     def __post_init__(self) -> None:
-        check_types(self)
+        check_types(self, SECTION_OF[type(self).__name__])
         for name in ("mask_rate", "mask_token_rate", "random_token_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise UsageError(f"train.{name}={getattr(self, name)!r}: expected a float in [0, 1]")
@@ -217,7 +217,7 @@ class HeadConfig:
     labels: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        check_types(self)
+        check_types(self, SECTION_OF[type(self).__name__])
         if not 0.0 <= self.dropout < 1.0:
             raise UsageError(f"head.dropout={self.dropout!r}: expected a float in [0, 1)")
         if not isinstance(self.labels, list) or not all(isinstance(x, str) for x in self.labels):
@@ -236,7 +236,7 @@ class LoraConfig:
     targets: list[str] = field(default_factory=lambda: ["qkv", "out"])  # qkv, out, up, gate, down
 
     def __post_init__(self) -> None:
-        check_types(self)
+        check_types(self, SECTION_OF[type(self).__name__])
         if self.rank < 0:
             raise UsageError(f"lora.rank={self.rank!r}: expected an integer >= 0 (0 = off)")
         if self.alpha <= 0:
@@ -266,7 +266,7 @@ class ParallelConfig:
     pp_microbatches: int = 0  # micro-batches per step in the pipeline; 0 = 2 * pp
 
     def __post_init__(self) -> None:
-        check_types(self)
+        check_types(self, SECTION_OF[type(self).__name__])
         _positive(self, "dp_replicate", "tp", "pp")
         if self.dp_shard < 1 and self.dp_shard != -1:
             raise UsageError(f"parallel.dp_shard={self.dp_shard!r}: expected an integer >= 1, or -1 (the rest)")

@@ -75,8 +75,10 @@ def checked_kwargs(cls: type, data: dict[str, Any]) -> dict[str, Any]:
 MAX_INT = 2**53  # larger integers are typos (and overflow torch's int64 or float arithmetic)
 
 
-def check_types(obj: Any) -> None:
-    """Check each field's value against its annotation (ints, floats, bools, Literals)."""
+def check_types(obj: Any, where: str | None = None) -> None:
+    """Check each field's value against its annotation (ints, floats, bools, Literals); a
+    message names the field as ``where.field`` (a run config's section), else by its class."""
+    where = where or type(obj).__name__
     hints = get_type_hints(type(obj))
     for f in fields(obj):
         value = getattr(obj, f.name)
@@ -84,14 +86,14 @@ def check_types(obj: Any) -> None:
         options = get_args(hint) if is_union(hint) else (hint,)
         if not any(_matches(value, option) for option in options):
             raise ValueError(
-                f"{type(obj).__name__}.{f.name}={value!r}: expected {describe(hint)}"
+                f"{where}.{f.name}={value!r}: expected {describe(hint)}"
             )
         # NaN and infinity pass every comparison check silently (nan > 0 is False, so
         # "<= 0" does not catch it) and surface much later as NaN losses: refuse them here.
         if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{type(obj).__name__}.{f.name}={value!r}: expected a finite number")
+            raise ValueError(f"{where}.{f.name}={value!r}: expected a finite number")
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-            raise ValueError(f"{type(obj).__name__}.{f.name}={value}: expected an integer below 2**53")
+            raise ValueError(f"{where}.{f.name}={value}: expected an integer below 2**53")
 
 
 def kind_of(value: object) -> str:

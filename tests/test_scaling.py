@@ -25,6 +25,7 @@ def test_chinchilla_fit_recovers_known_constants_from_synthetic_losses():
         assert getattr(fit, name) == pytest.approx(value, rel=0.01), name
 
 
+@pytest.mark.slow  # 30 parametric refits, each from several starts: 10-30 s
 def test_chinchilla_fit_with_noise_stays_close_and_its_intervals_bracket_the_fit():
     fit = fit_chinchilla(*synthetic(noise=0.002, seed=1), bootstrap=30)
     assert fit.alpha == pytest.approx(TRUE["alpha"], rel=0.05)

@@ -230,7 +230,7 @@ def report(summary: dict[str, Any]) -> str:
     lines = []
     if "chinchilla" in summary:
         c = summary["chinchilla"]
-        lines.append("Chinchilla  L(N, D) = E + A / N^alpha + B / D^beta   (95% bootstrap intervals)")
+        lines.append("Chinchilla  L(N, D) = E + A / N^alpha + B / D^beta   (95% parametric bootstrap intervals)")
         for p in ("E", "A", "B", "alpha", "beta"):
             lo, hi = c["intervals"].get(p, (math.nan, math.nan))
             lines.append(f"  {p:<6} {c[p]:>12.4g}   [{lo:.4g}, {hi:.4g}]")

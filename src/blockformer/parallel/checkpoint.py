@@ -14,16 +14,12 @@ Resuming at any layout (4 ranks -> 2 or 1, or 1 -> 2): the weights come from
 name-keyed state dict (from ``dcp/``, or from a 1-process ``trainer_state.pt``) and handed
 to ``set_optimizer_state_dict``, which keeps each rank's shard of it.
 
-Reading ``dcp/`` never runs code from it (see "Reading dcp/ safely" below): DCP's own
-reader unpickles ``.metadata`` with plain ``pickle`` and its planner reads bytes items with
-``torch.load(weights_only=False)``, so every load here goes through ``_SafeReader`` and
-``_SafePlanner`` instead.
+Reading ``dcp/`` never runs code from it: every load goes through ``dcp_reader.safe_load``.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -32,17 +28,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorStorageMetadata,
-)
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -57,6 +42,7 @@ from ..run_config import RunConfig
 from ..train.checkpoint import TMP_TAG, save_checkpoint
 from ..train.finetune import lr_scale
 from ..train.optim import build_optimizer
+from .dcp_reader import safe_load
 from .tensor import RowOrder, row_order
 
 DCP_DIR = "dcp"
@@ -113,7 +99,7 @@ def same_layout(par: Any, state: dict[str, Any] | None) -> bool:
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
     """Every rank reads its shards of the weights and optimizer state from ``dcp/`` (a collective)."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    _safe_load(state, checkpoint / DCP_DIR, no_dist=False)
+    safe_load(state, checkpoint / DCP_DIR, no_dist=False)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
@@ -149,7 +135,7 @@ def _load_here(state: dict, dcp_dir: Path) -> None:
     """Read ``state`` whole from ``dcp_dir`` in this process alone (no collective)."""
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent
         warnings.simplefilter("ignore", UserWarning)
-        _safe_load(state, Path(dcp_dir), no_dist=True)
+        safe_load(state, Path(dcp_dir), no_dist=True)
 
 
 def _map_states(osd: dict, f) -> dict:
@@ -158,134 +144,3 @@ def _map_states(osd: dict, f) -> dict:
               for name, s in osd["state"].items()}
     return {**osd, "state": states}
 
-
-# ---------------------------------------------------------------------- reading dcp/ safely
-# A checkpoint may come from anyone: its files are data. ``.metadata`` is read by an
-# unpickler that builds only DCP's own metadata classes (and the torch values inside them),
-# every item it names must lie in a file directly inside dcp/, and bytes items (the
-# optimizer's lr, betas, ...) are read with ``weights_only=True``, as DCP already reads tensors.
-_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},  # how a torch.layout pickles
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
-    "collections": {"OrderedDict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds the classes of ``_METADATA_GLOBALS`` and torch dtypes; any other global is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        dtype = module == "torch" and not name.startswith("_") and isinstance(getattr(torch, name, None), torch.dtype)
-        if dtype or name in _METADATA_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not part of DCP metadata")
-
-
-def read_metadata(dcp_dir: Path) -> Metadata:
-    """The checkpoint's ``dcp/.metadata``, unpickled without running anything and checked."""
-    file = dcp_dir / ".metadata"
-    if not file.is_file():
-        raise UsageError(f"{file}: not found; expected the metadata of a sharded checkpoint")
-    try:
-        with open(file, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as e:
-        raise UsageError(f"{file}: refused ({e}): it could run code when loaded; not loaded (expected the "
-                         f"metadata `torch.distributed.checkpoint` writes)") from None
-    except Exception as e:  # a damaged pickle raises many types
-        raise UsageError(f"{file}: cannot read the sharded checkpoint's metadata ({_reason(e)}); "
-                         f"the file is damaged") from None
-    _check_metadata(metadata, file)
-    return metadata
-
-
-def _check_metadata(metadata: Any, file: Path) -> None:
-    """The metadata's types, and every shard file a plain name inside its directory."""
-    expected = "expected the metadata `torch.distributed.checkpoint` writes"
-    if not isinstance(metadata, Metadata):
-        raise UsageError(f"{file}: holds a {type(metadata).__name__}, not DCP metadata; {expected}")
-    if not isinstance(metadata.state_dict_metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, (TensorStorageMetadata, BytesStorageMetadata))
-        for k, v in metadata.state_dict_metadata.items()
-    ):
-        raise UsageError(f"{file}: state_dict_metadata is not a map of names to tensor or bytes entries; {expected}")
-    if not isinstance(metadata.storage_data, dict) or not isinstance(metadata.storage_meta, (StorageMeta, type(None))):
-        raise UsageError(f"{file}: storage_data is not a map of items to files; {expected}")
-    for index, info in metadata.storage_data.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
-            raise UsageError(f"{file}: storage_data holds a {type(info).__name__}; {expected}")
-        name = info.relative_path
-        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
-            raise UsageError(f"{file}: item {index.fqn!r} is stored in {name!r}, outside {file.parent}; "
-                             f"expected the name of a file in that directory")
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (info.offset, info.length)):
-            raise UsageError(f"{file}: item {index.fqn!r} has offset {info.offset!r}, length {info.length!r}; "
-                             f"expected integers >= 0")
-
-
-class _SafeReader(FileSystemReader):
-    """FileSystemReader with its metadata read (and checked) by ``read_metadata`` up front,
-    so that a refused file is one error here, not DCP's fallback to per-rank files."""
-
-    def __init__(self, dcp_dir: Path) -> None:
-        super().__init__(dcp_dir)
-        self._metadata = read_metadata(dcp_dir)
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._metadata.storage_meta is None:
-            self._metadata.storage_meta = StorageMeta()
-        self._metadata.storage_meta.load_id = self.load_id
-        return self._metadata
-
-
-class _SafePlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner whose bytes items are read with ``weights_only=True``: numbers,
-    strings, tensors and containers only."""
-
-    def __init__(self, dcp_dir: Path) -> None:
-        super().__init__()
-        self.dcp_dir = dcp_dir
-
-    def load_bytes(self, read_item: Any, value: Any) -> None:
-        fqn = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise UsageError(f"{self.dcp_dir}: item {fqn!r}: {_refusal(e)}") from None
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
-
-
-def _safe_load(state: dict, dcp_dir: Path, *, no_dist: bool) -> None:
-    """``dcp.load(state)`` from ``dcp_dir`` through the safe reader and planner; any failure
-    is one UsageError naming the directory."""
-    reader = _SafeReader(dcp_dir)
-    try:
-        dcp.load(state, storage_reader=reader, planner=_SafePlanner(dcp_dir), no_dist=no_dist)
-    except CheckpointException as e:  # DCP gathers each rank's error, with its traceback
-        first = next(iter(e.failures.values()))[0] if e.failures else e
-        if isinstance(first, UsageError):
-            raise first from None
-        raise UsageError(f"{dcp_dir}: {_refusal(first)}") from None
-    except Exception as e:  # raised outside DCP's gathering
-        raise UsageError(f"{dcp_dir}: {_refusal(e)}") from None
-
-
-def _refusal(e: BaseException) -> str:
-    if isinstance(e, pickle.UnpicklingError) and "global" in str(e).lower():  # torch's weights_only refusal
-        return ("refused: it holds objects other than tensors and plain values, which could run code when "
-                "loaded; not loaded (use a checkpoint written by `blockformer train`)")
-    return f"cannot read the sharded checkpoint ({_reason(e)}); expected the dcp/ a `blockformer train` run wrote"
-
-
-def _reason(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__

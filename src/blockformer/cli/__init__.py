@@ -118,7 +118,8 @@ EXIT_CODES = {
     0: "finished (or stopped by train.max_minutes, with a checkpoint saved)",
     1: "a bug: an unexpected error with a traceback (please report it)",
     2: "bad input or a file-system error: one line on stderr names the value or path",
-    3: "training stopped: the loss became NaN or infinite (train.nonfinite=stop)",
+    3: "training stopped: the loss, the gradient, the weights or the validation loss became NaN or infinite "
+       "(train.nonfinite=stop); the last finite checkpoint is named",
     130: "stopped by SIGINT (Ctrl-C); a training run saved a checkpoint first",
     143: "stopped by SIGTERM; a training run saved a checkpoint first",
 }

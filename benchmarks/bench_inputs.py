@@ -60,8 +60,8 @@ def train_preset(preset: str, seed: int, args: argparse.Namespace, work: Path) -
 
     overrides = [f"train.seed={seed}", "train.progress=false", "train.precision=fp32"]  # as measured
     if args.steps is not None:
-        preset_cfg = load_run_config(preset=preset)
-        every = preset_cfg.train.eval_every and max(1, args.steps * preset_cfg.train.eval_every // preset_cfg.train.steps)
+        tc = load_run_config(preset=preset).train
+        every = tc.eval_every and max(1, args.steps * tc.eval_every // tc.steps)
         overrides += [f"train.steps={args.steps}", f"train.eval_every={every}"]
     overrides += args.set
     cfg = load_run_config(preset=preset, overrides=overrides)

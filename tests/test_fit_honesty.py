@@ -90,10 +90,11 @@ def test_kaplan_interval_covers_the_true_exponent_at_its_nominal_rate(level):
 
 @pytest.mark.slow
 def test_chinchilla_intervals_cover_the_true_constants_at_their_nominal_rate():
-    """24 noise draws x 40 parametric refits (~0.3 s each on a CPU core): a few minutes. The
+    """24 noise draws x 40 parametric refits (~0.3 s each on a CPU core): minutes. The
     tolerance is three binomial sds of a rate over 24 draws (0.13 at 95%, 0.18 at 90%): it
     separates the old bootstrap (beta and E covered at 38% and 65% for a nominal 95%) from the
-    nominal rate, not 90% from 95%."""
+    nominal rate, not 90% from 95%. Measured: 95% covered E, alpha, beta in 92%, 88%, 96% of
+    the draws; 90% in 83%, 75%, 92% (alpha runs low: one draw above its floor)."""
     import itertools
 
     import torch

@@ -87,7 +87,8 @@ def test_a_malformed_metrics_record_of_a_point_does_not_break_the_plot(tmp_path,
     points = [_point(*g) for g in GRID]
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.jsonl").write_text('{"split": "train", "step": 1}\n{"split": "train", "loss": "x", "step": 2}\n'
+    (run / "metrics.jsonl").write_text('{"split": "train", "step": 1}\n'
+                                       '{"split": "train", "loss": "x", "step": 2}\n'
                                        '{"split": "train", "step": 3, "loss": 2.5}\n')
     points[0]["run_dir"] = str(run)
     _sweep(tmp_path, points)

@@ -61,8 +61,8 @@ class Task:
         positions (a longer one is not a bigger task but a model of another size)."""
         if self.longest() + 1 > max_seq_len:
             raise UsageError(
-                f"{self.length_field}: {self!r} has sequences of up to {self.longest()} characters + eos, over "
-                f"model.max_seq_len={max_seq_len}; expected a shorter task or a longer model.max_seq_len"
+                f"{self.length_field}: {self!r} has sequences of up to {self.longest()} characters + eos, "
+                f"over model.max_seq_len={max_seq_len}; expected a shorter task or a longer model.max_seq_len"
             )
 
     def target(self, source: str) -> str:

@@ -112,8 +112,8 @@ def _measured(cfg: Any, batch_size: int, seq_len: int) -> dict[str, Any]:
     except RuntimeError as e:  # "Storage size calculation overflowed with sizes=[...]"
         weights = block_weights(cfg) + cfg.d_model * cfg.vocab_size
         raise UsageError(
-            f"model: d_model={cfg.d_model}, d_ff={cfg.d_ff}, vocab_size={cfg.vocab_size} give a tensor too large "
-            f"for torch to allocate (about {weights:.3g} weights by arithmetic: {str(e).splitlines()[0]}); "
+            f"model: d_model={cfg.d_model}, d_ff={cfg.d_ff}, vocab_size={cfg.vocab_size} give a tensor "
+            f"too large for torch to allocate (about {weights:.3g} weights by arithmetic: {str(e).splitlines()[0]}); "
             "expected a smaller width"
         ) from None
     return {
@@ -143,9 +143,9 @@ def check_fits_in_memory(cfg: Any, batch_size: int, seq_len: int, what: str) -> 
     ram, need = machine_memory_bytes(), est["memory_bytes"]["total_bytes"]
     if ram is not None and need > ram:
         raise UsageError(
-            f"{what}: training needs about {need / 2**30:,.1f} GiB ({est['parameters']:,} parameters, a micro-batch "
-            f"of {batch_size} x {seq_len} tokens, fp32 estimate) but this machine has {ram / 2**30:,.1f} GiB of RAM; "
-            "expected a smaller model, batch or sequence length"
+            f"{what}: training needs about {need / 2**30:,.1f} GiB ({est['parameters']:,} parameters, a "
+            f"micro-batch of {batch_size} x {seq_len} tokens, fp32 estimate) but this machine has "
+            f"{ram / 2**30:,.1f} GiB of RAM; expected a smaller model, batch or sequence length"
         )
     return est
 

@@ -157,7 +157,8 @@ def fit_chinchilla(
     tokens to loss ``L``; intervals at ``level`` from ``bootstrap`` refits (``bootstrap_samples``)."""
     N, D, L = (np.asarray(v, dtype=float) for v in (N, D, L))
     if not len(N) == len(D) == len(L):
-        raise ValueError(f"scaling fit: {len(N)} N, {len(D)} D and {len(L)} losses; expected one of each per run")
+        raise ValueError(f"scaling fit: {len(N)} N, {len(D)} D and {len(L)} losses; expected one of each "
+                         "per run")
     if (why := chinchilla_problem(N, D)) is not None:
         raise ValueError(f"scaling fit: {why}")
     if (N <= 0).any() or (D <= 0).any() or (L <= 0).any():
@@ -166,7 +167,8 @@ def fit_chinchilla(
     theta, value = _fit_theta(N, D, L, delta, starts, n_best)
     fit = _to_fit(theta, value)
     if bootstrap:
-        samples = bootstrap_samples(fit, theta, N, D, L, delta, torch.cat([theta[None], starts]), bootstrap, seed)
+        refit_from = torch.cat([theta[None], starts])
+        samples = bootstrap_samples(fit, theta, N, D, L, delta, refit_from, bootstrap, seed)
         fit.intervals = percentile_intervals(samples, level)
     return fit
 
@@ -235,6 +237,6 @@ def _line(x: np.ndarray, y: np.ndarray) -> tuple[Any, Any, Any]:
     dx = x - x.mean()
     slope = ((y - y.mean(-1, keepdims=True)) * dx).sum(-1) / (dx**2).sum()
     intercept = y.mean(-1) - slope * x.mean()
-    residual = y - (intercept[..., None] + slope[..., None] * x) if np.ndim(y) > 1 else y - (intercept + slope * x)
+    residual = y - (np.expand_dims(intercept, -1) + np.expand_dims(slope, -1) * x)
     se = np.sqrt((residual**2).sum(-1) / (len(x) - 2) / (dx**2).sum())
     return slope, intercept, se

@@ -57,9 +57,10 @@ def read_point(path: Path) -> Point:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"{path}: not readable as JSON ({str(e).splitlines()[0]}); expected a sweep point") from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(f"{path}: not readable as JSON ({why}); expected a sweep point") from None
     if not isinstance(data, dict):
-        raise UsageError(f"{path}: a JSON {type(data).__name__}; expected an object with the fields of a sweep point")
+        raise UsageError(f"{path}: a JSON {type(data).__name__}; expected an object with a sweep point's fields")
     types = {f.name: f.type for f in dataclasses.fields(Point)}
     missing, unknown = [k for k in types if k not in data], [k for k in data if k not in types]
     if missing or unknown:

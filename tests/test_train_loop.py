@@ -52,6 +52,24 @@ def test_a_short_copy_run_drives_the_loss_down(tmp_path):
     assert last < first - 0.5, result.losses[::10]
 
 
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_a_resume_with_another_learning_rate_uses_it(tmp_path, schedule):
+    """The saved optimizer and scheduler states carry the old train.lr; a resume with
+    --set train.lr=... continues the schedule's position at the new rate, not the old one."""
+    base = ("train.eval_every=0", "train.log_every=1", f"train.schedule={schedule}", "train.warmup=2",
+            "train.min_lr=1e-5")
+    train(tiny_task("train.steps=4", "train.lr=1e-3", *base), tmp_path / "run", **QUIET)
+    cfg = tiny_task("train.steps=8", "train.lr=0.25", *base)
+    train(cfg, tmp_path / "run", resume=tmp_path / "run", **QUIET)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["lr"] for r in rows if r.get("split") == "train"}
+    from blockformer.train.schedule import lr_lambda
+
+    factor = lr_lambda(cfg.train, cfg.model.d_model)
+    for step in range(5, 9):  # the lr logged at a step is the one its update used
+        assert lrs[step] == pytest.approx(0.25 * factor(step - 1), rel=1e-12), (step, lrs)
+
+
 @pytest.mark.slow
 def test_a_short_copy_run_learns_the_task(tmp_path):
     """Loss from ~ln(14) = 2.6 at initialisation to below 0.5 in 250 steps; half the held-out

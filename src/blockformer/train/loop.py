@@ -67,7 +67,7 @@ from .finetune import lr_scale
 from .optim import build_optimizer, kernel_kept
 from .precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
 from .run_dir import CONFIG_TOML, RunLock, clear_previous_run, main_process, prepare, replace_file
-from .schedule import build_scheduler
+from .schedule import build_scheduler, load_scheduler_state
 from .setup import Objective, build_run
 from .throughput import format_flops, peak_flops, utilisation
 
@@ -166,7 +166,7 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
                 optimizer.load_state_dict(state["optimizer"])
             else:
                 load_optimizer_state(par, model, optimizer, full_optim)
-        scheduler.load_state_dict(state["scheduler"])
+        load_scheduler_state(scheduler, state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         objective.load_state_dict(state["data"])
         set_rng_state(state["rng"])

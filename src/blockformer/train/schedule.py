@@ -51,3 +51,18 @@ def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: TrainConfig, d_model: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, d_model))
+
+
+def load_scheduler_state(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict) -> None:
+    """Resume the saved schedule's position with this run's rates: the optimizer's and the
+    scheduler's saved states both carry the old ``train.lr``, so without this a ``--resume
+    --set train.lr=...`` (or another schedule) would be accepted and silently ignored. With
+    the config unchanged the rates come out bit-identical to the saved ones."""
+    configured = list(scheduler.base_lrs)  # this run's train.lr, times each group's scale
+    scheduler.load_state_dict(state)
+    scheduler.base_lrs = configured
+    step = scheduler.last_epoch
+    for group, base, factor in zip(scheduler.optimizer.param_groups, configured, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(step)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

@@ -15,7 +15,8 @@ from blockformer.cli import main
 from blockformer.train import checkpoint as ck
 from blockformer.train import compile as compile_module
 from blockformer.train import train
-from blockformer.train.loop import NonFiniteLoss, finite_weights, train_step
+from blockformer.train.finite import finite_weights
+from blockformer.train.loop import NonFiniteLoss, train_step
 from blockformer.train.optim import build_optimizer
 from blockformer.train.precision import grad_scaler
 from blockformer.train.setup import build_run

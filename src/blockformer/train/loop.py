@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from .. import parallel
 from ..errors import UsageError
@@ -64,6 +63,7 @@ from .checkpoint import (
 from .compile import LossFn, compile_loss, resolve_compile
 from .metrics import MetricsLog, perplexity, plot_losses
 from .finetune import lr_scale
+from .finite import diverged_message, finite_weights, restore_finite
 from .optim import build_optimizer, kernel_kept
 from .precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
 from .run_dir import CONFIG_TOML, RunLock, clear_previous_run, main_process, prepare, replace_file
@@ -200,8 +200,8 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
     def back_to_good(what: str) -> None:
         """Non-finite ``what`` at this evaluation: stop, or (skip) restore the last finite state."""
         if tc.nonfinite == "stop" or par is not None:
-            raise NonFiniteLoss(_diverged(what, step, tc, good, par is not None))
-        _restore(model, optimizer, scaler, params, good, initial, device)
+            raise NonFiniteLoss(diverged_message(what, step, tc, good, par is not None))
+        restore_finite(model, optimizer, scaler, params, good, initial, device)
         result.restored += 1
         log(f"step {step}: {what} NaN or infinite; weights and optimizer state restored from "
             f"{good or 'the start of the run'}")
@@ -214,7 +214,7 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
                 break
             what = "the weights" if val is None else "the validation loss"
             if attempt:  # restoring did not help: the checkpoint itself is bad
-                raise NonFiniteLoss(_diverged(what, step, tc, good, par is not None))
+                raise NonFiniteLoss(diverged_message(what, step, tc, good, par is not None))
             back_to_good(what)
         _report(val, step, metrics, bar, log)
         return val
@@ -412,53 +412,6 @@ def _clip(params: list[torch.nn.Parameter], tc: Any, par, *, measure: bool) -> t
     if tc.grad_clip > 0:
         return torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
     return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-
-
-def finite_weights(params: list[torch.nn.Parameter], par: parallel.Parallel | None = None) -> bool:
-    """Whether every weight in ``params`` is finite, on every rank. One fused 2-norm per
-    tensor (NaN and inf reach it) and one host read; a tensor whose norm overflows, which
-    finite values past 1e19 also do, is then checked element by element."""
-    local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]
-    norms = torch.stack(torch._foreach_norm(local)) if local else torch.zeros(1)
-    suspects = (~norms.isfinite()).nonzero().flatten().tolist()  # nearly always empty
-    bad = any(not bool(torch.isfinite(local[i]).all()) for i in suspects)
-    if par is not None:  # every rank holds other weights; all must agree
-        flag = torch.tensor(float(bad), device=norms.device)
-        torch.distributed.all_reduce(flag)
-        bad = bool(flag)
-    return not bad
-
-
-def _restore(model, optimizer, scaler, params, good: Path | None, initial, device) -> None:
-    """``train.nonfinite="skip"``: the weights, optimizer and scaler state of checkpoint
-    ``good``; without one, the run's ``initial`` weights and a fresh optimizer state."""
-    if good is None:
-        with torch.no_grad():
-            for p, saved in zip(params, initial):
-                p.copy_(saved)
-        optimizer.state.clear()  # AdamW starts again: no moments, step 0
-        return
-    load_weights(model, good, device)
-    state = load_trainer_state(good)
-    with kernel_kept(optimizer):
-        if "optimizer" in state:
-            optimizer.load_state_dict(state["optimizer"])
-        else:  # written by a parallel run: its moments are sharded elsewhere
-            optimizer.state.clear()
-    scaler.load_state_dict(state["scaler"])
-
-
-def _diverged(what: str, step: int, tc, good: Path | None, parallel_run: bool) -> str:
-    """The NonFiniteLoss message: what went non-finite, why it can, where to go back to."""
-    how = ("an update overflowed while the loss and gradients were finite" if what == "the weights"
-           else "the weights are finite but overflow in the forward pass")
-    stuck = parallel_run and tc.nonfinite == "skip"
-    why = " (a parallel run cannot go back to it: it stops)" if stuck else ""
-    then = "then resume from it" if good else "then start again"
-    skip = "" if tc.nonfinite == "skip" else ", or set train.nonfinite=skip to go back to it and carry on"
-    return (f"train: {what} became NaN or infinite by step {step} ({how}); nothing was saved at this step. "
-            f"Last finite checkpoint: {good or 'none'}{why}. Expected finite weights: lower train.lr "
-            f"(now {tc.lr:g}) or raise train.warmup, {then}{skip}")
 
 
 def _evaluate(objective: Objective, model, tc, device) -> dict[str, float]:

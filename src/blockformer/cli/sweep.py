@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         size, sep, budget = args.holdout.partition(":")
         if not sep:
             raise UsageError(f"--holdout {args.holdout}: expected WIDTHxLAYERS:TOKENS, e.g. 256x4:2M")
-        sizes_out = parse_sizes(size)
+        sizes_out = parse_sizes(size, "--holdout")
         if len(sizes_out) != 1:
             raise UsageError(f"--holdout {args.holdout}: expected one WIDTHxLAYERS before the colon")
         holdout = (*sizes_out[0], parse_count(budget, "--holdout"))

@@ -86,16 +86,16 @@ def _check_field(path: Path, name: str, value: Any, kind: str) -> None:
         raise UsageError(f"{path}: field {name}={json.dumps(value)[:40]}; expected {expected}")
 
 
-def parse_sizes(text: str) -> list[tuple[int, int]]:
-    """``"64x2,128x4"`` -> [(64, 2), (128, 4)] (width x layers)."""
+def parse_sizes(text: str, flag: str = "--sizes") -> list[tuple[int, int]]:
+    """``"64x2,128x4"`` -> [(64, 2), (128, 4)] (width x layers); errors name ``flag``."""
     sizes = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
         m = re.fullmatch(r"(\d+)x(\d+)", item)
         if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-            raise UsageError(f"--sizes {text}: {item!r} is not WIDTHxLAYERS, e.g. 128x4")
+            raise UsageError(f"{flag} {text}: {item!r} is not WIDTHxLAYERS, e.g. 128x4")
         sizes.append((int(m.group(1)), int(m.group(2))))
     if not sizes:
-        raise UsageError("--sizes: expected one or more WIDTHxLAYERS, e.g. 64x2,128x4")
+        raise UsageError(f"{flag}: expected one or more WIDTHxLAYERS, e.g. 64x2,128x4")
     return sizes
 
 

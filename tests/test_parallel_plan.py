@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from blockformer import TransformerConfig
 from blockformer.cli import main
 from blockformer.errors import UsageError
 from blockformer.parallel.plan import plan
@@ -61,3 +62,23 @@ def test_info_prints_the_plan(capsys):
     text = capsys.readouterr().out
     assert "mesh         8 ranks: pp 1 x dp_replicate 1 x dp_shard 8 x tp 1" in text
     assert "memory/rank  33.37 GiB: weights 3.14 GiB, gradients 3.14 GiB, AdamW 6.28 GiB" in text
+
+
+@pytest.mark.parametrize("extra", [
+    dict(arch="decoder"),
+    dict(arch="encoder-decoder", position="relative", n_encoder_layers=66, n_decoder_layers=67),
+    dict(arch="decoder", ffn_experts=4, experts_top_k=2, shared_experts=1),
+])
+def test_a_deep_plan_counts_what_the_full_build_counts(extra):
+    """Past EXACT_LAYERS the plan builds 2 blocks a stack and repeats the second: per block the
+    same figures as building every block (a 1,000,000-layer plan takes seconds, not minutes)."""
+    import torch
+
+    from blockformer.models import build_model
+    from blockformer.parallel.plan import count, count_at_depth
+    from blockformer.probes.memory import EXACT_LAYERS
+
+    m = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=EXACT_LAYERS + 5, d_ff=32, **extra)
+    with torch.device("meta"):
+        want = count(build_model(m))
+    assert count_at_depth(m) == want

@@ -22,11 +22,11 @@ def test_stage_bounds_balance_blocks():
 
 def test_pp_refuses_what_it_does_not_build():
     with pytest.raises(UsageError, match="pipeline stages are built for the decoder only"):
-        check_pp(build_model(TransformerConfig(arch="encoder-decoder", d_model=16, n_heads=2, n_layers=2)), 2, "1f1b")
+        check_pp(TransformerConfig(arch="encoder-decoder", d_model=16, n_heads=2, n_layers=2), 2, "1f1b")
     with pytest.raises(UsageError, match="tie_embeddings=false"):
-        check_pp(build_model(TransformerConfig(d_model=16, n_heads=2, n_layers=2)), 2, "1f1b")
+        check_pp(TransformerConfig(d_model=16, n_heads=2, n_layers=2), 2, "1f1b")
     with pytest.raises(UsageError, match="needs 4 stages"):
-        check_pp(build_model(TransformerConfig(d_model=16, n_heads=2, n_layers=3, tie_embeddings=False)), 2,
+        check_pp(TransformerConfig(d_model=16, n_heads=2, n_layers=3, tie_embeddings=False), 2,
                  "interleaved-1f1b")
 
 

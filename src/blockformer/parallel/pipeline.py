@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from ..config import TransformerConfig
 from ..errors import UsageError
 from ..models.base import TransformerModel, default_positions
 from ..nn.stack import Stack
@@ -33,8 +34,8 @@ from .data import rows_of
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}
 
 
-def check_pp(model: nn.Module, pp: int, schedule: str) -> None:
-    cfg = model.cfg
+def check_pp(cfg: TransformerConfig, pp: int, schedule: str) -> None:
+    """Whether ``cfg`` can be cut into the stages of ``schedule`` over ``pp`` ranks."""
     if cfg.arch != "decoder":
         raise UsageError(f"parallel.pp={pp}: pipeline stages are built for the decoder only (model.arch="
                          f"{cfg.arch!r}); expected parallel.pp=1, and dp_shard/tp to scale it")
@@ -178,7 +179,7 @@ class Pipeline:
 def build_pipeline(model: nn.Module, par: Any, schedule: str, n_microbatches: int) -> PipelineRank:
     """Cut ``model`` into stages and keep this rank's (looped: rank r holds stages r, r + pp, ...)."""
     pp = par.degrees.pp
-    check_pp(model, pp, schedule)
+    check_pp(model.cfg, pp, schedule)
     n_stages = pp * STAGES_PER_RANK[schedule]
     bounds = stage_bounds(model.cfg.n_layers, n_stages)
     rank = par.coordinate("pp")

@@ -35,14 +35,17 @@ reduce-scatter), repeated for each of the ``grad_accum`` micro-batches:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..config import TransformerConfig
 from ..models import build_model
 from ..nn.attention import Attention
 from ..nn.feedforward import FeedForward
+from ..probes.memory import EXACT_LAYERS
 from ..run_config import RunConfig
 
 from .mesh import Degrees, resolve_degrees
@@ -95,16 +98,33 @@ def count(model: nn.Module) -> Counts:
     return Counts(split, rep, first, last_split, last_rep, [b.cross_attn is not None for b in blocks])
 
 
+def count_at_depth(m: TransformerConfig) -> Counts:
+    """``count`` of the model ``m`` describes, built on the meta device. A config deeper than
+    ``EXACT_LAYERS`` is built with 2 blocks a stack and each stack's second block repeated:
+    past the first (which may own a shared position bias) a stack's blocks are alike."""
+    if m.total_layers <= EXACT_LAYERS:
+        with torch.device("meta"):
+            return count(build_model(m))
+    names = ("n_encoder_layers", "n_decoder_layers") if m.arch == "encoder-decoder" else ("n_layers",)
+    with torch.device("meta"):
+        c = count(build_model(dataclasses.replace(m, **dict.fromkeys(names, 2))))
+    depths = [getattr(m, name) for name in names]
+
+    def tile(per_block: list) -> list:  # [first, second] of each stack -> first + second * (depth - 1)
+        return [x for i, depth in enumerate(depths) for x in [per_block[2 * i]] + [per_block[2 * i + 1]] * (depth - 1)]
+
+    return dataclasses.replace(c, block_split=tile(c.block_split), block_replicated=tile(c.block_replicated),
+                               cross=tile(c.cross))
+
+
 def plan(cfg: RunConfig, world_size: int, batch_size: int | None = None, seq_len: int | None = None) -> dict:
     """Per-rank memory and per-step communication of ``cfg`` on ``world_size`` ranks (bytes)."""
     m, tc, pc = cfg.model, cfg.train, cfg.parallel
     d: Degrees = resolve_degrees(pc, world_size)
-    with torch.device("meta"):
-        model = build_model(m)
     check_tp(m, d.tp)
     if d.pp > 1:
-        check_pp(model, d.pp, pc.pp_schedule)
-    c = count(model)
+        check_pp(m, d.pp, pc.pp_schedule)
+    c = count_at_depth(m)
     s = seq_len or (cfg.data.seq_len if m.arch == "decoder" else m.max_seq_len)
     B = batch_size or tc.batch_size
     b_dp = B / d.dp  # rows per data-parallel rank per micro-batch

@@ -11,17 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
 from .schema import check_types, checked_kwargs, dumps_toml, read_if_path
+from .textformats import loads_json, loads_toml
 
 Arch = Literal["encoder", "decoder", "encoder-decoder"]
 Norm = Literal["layer", "rms", "none"]
@@ -291,7 +286,7 @@ class TransformerConfig:
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> "TransformerConfig":
-        return cls.from_dict(json.loads(read_if_path(text_or_path)))
+        return cls.from_dict(loads_json(read_if_path(text_or_path)))
 
     def to_toml(self, path: str | Path | None = None) -> str:
         text = dumps_toml(self.to_dict())
@@ -301,7 +296,7 @@ class TransformerConfig:
 
     @classmethod
     def from_toml(cls, text_or_path: str | Path) -> "TransformerConfig":
-        return cls.from_dict(tomllib.loads(read_if_path(text_or_path)))
+        return cls.from_dict(loads_toml(read_if_path(text_or_path)))
 
 
 # ---------------------------------------------------------------------- helpers

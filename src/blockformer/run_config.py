@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from .config import TransformerConfig
 from .schema import check_types, describe, dumps_toml, is_union, suggest
 from .errors import UsageError
+from .textformats import loads_toml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -80,6 +81,8 @@ class DataConfig:
             raise UsageError(f"data.zoom={self.zoom!r}: expected a float in [0, 1) (0 = no scaling)")
         if not self.dataset and self.augmentation:
             raise UsageError(f"{self.augmentation}: augments the images of a data.dataset; expected 0 without one")
+        if self.max_bytes is not None and self.max_bytes < 1:
+            raise UsageError(f"data.max_bytes={self.max_bytes!r}: expected an integer >= 1 (unset: no cap)")
         _positive(self, "max_digits")
         _positive(self, "task_min_len", "task_max_len", "task_digits", "heldout", "vocab_size", "seq_len")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -191,6 +194,13 @@ class TrainConfig:
         for name in ("seed", "samples", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise UsageError(f"train.{name}={getattr(self, name)!r}: expected an integer >= 0")
+        if self.min_lr < 0 or (self.schedule == "cosine" and self.min_lr > self.lr):
+            raise UsageError(f"train.min_lr={self.min_lr!r}: expected a float in [0, train.lr={self.lr!r}] "
+                             f"(the cosine schedule's floor)")
+        name = self.name
+        if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):
+            raise UsageError(f"train.name={name!r}: expected a plain directory name (runs/<train.name>): "
+                             f"not empty, no / or \\, not . or ..; use --out DIR for another place")
         if self.schedule == "noam" and self.warmup == 0:
             raise UsageError("train.warmup=0: expected an integer >= 1 with schedule='noam'")
 
@@ -342,7 +352,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     if not text.strip():
         raise UsageError(f"{path}: config file is empty; expected [model], [data] and [train] tables")
     try:
-        data = tomllib.loads(text)
+        data = loads_toml(text)
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"{path}: not valid TOML ({e})") from None
     check_keys(data)
@@ -361,7 +371,7 @@ def read_preset(name: str) -> dict[str, Any]:
         hint = suggest(name, names)
         raise UsageError(f"--preset {name}: unknown preset{hint}; available: " + ", ".join(names))
     text = resources.files("blockformer.presets").joinpath(f"{name}.toml").read_text(encoding="utf-8")
-    data = tomllib.loads(text)
+    data = loads_toml(text)
     check_keys(data)
     return data
 

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_quantize_argument(parser)
     parser.add_argument("--draft", default=None, metavar="CKPT",
                         help="speculative decoding: a small decoder checkpoint with the same tokenizer")
-    parser.add_argument("--num-draft", type=int, default=4, metavar="K", help="tokens drafted per round (default 4)")
+    parser.add_argument("--num-draft", type=int, default=None, metavar="K", help="tokens drafted per round (default 4)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,13 +49,21 @@ def run(args: argparse.Namespace) -> int:
     from ..train.precision import check_precision, resolve_device  # noqa: PLC0415
 
     from ..generate.decoder import MAX_NEW_TOKENS  # noqa: PLC0415
+    from ..generate.sampling import MIN_TEMPERATURE  # noqa: PLC0415
 
     if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: expected an integer in [1, {MAX_NEW_TOKENS}]")
     if not 0 <= args.min_new_tokens <= args.max_new_tokens:
         raise UsageError(f"--min-new-tokens {args.min_new_tokens}: expected 0..--max-new-tokens")
-    if not 0 <= args.temperature < float("inf"):  # also refuses nan
-        raise UsageError(f"--temperature {args.temperature}: expected a finite float >= 0 (0 = greedy)")
+    if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < float("inf")):  # also refuses nan
+        raise UsageError(f"--temperature {args.temperature}: expected 0 (greedy) or a finite float >= "
+                         f"{MIN_TEMPERATURE:g} (smaller ones overflow the scaled logits)")
+    if "" in args.stop:
+        raise UsageError("--stop '': an empty stop string; expected some text to stop at")
+    if args.num_draft is not None and not args.draft:
+        raise UsageError(f"--num-draft {args.num_draft}: drafts tokens for --draft CKPT; "
+                         f"expected --draft with it")
+    args.num_draft = 4 if args.num_draft is None else args.num_draft
     if args.draft and (args.min_new_tokens or args.compile):
         raise UsageError("--draft: not combined with --min-new-tokens or --compile; expected neither")
     if args.num_draft < 1:

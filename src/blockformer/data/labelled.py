@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import UsageError
+from ..textformats import loads_json
 from ..tokenizers import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from .seq2seq import _read_lines
 
@@ -50,7 +51,7 @@ def read_labelled(path: str | Path) -> list[Example]:
     for i, line in lines_nonempty:
         if jsonl:
             try:
-                record = json.loads(line)
+                record = loads_json(line)
             except json.JSONDecodeError as e:
                 raise UsageError(f"{path}:{i}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict) or "text" not in record or "label" not in record:
@@ -77,7 +78,7 @@ def read_texts(path: str | Path) -> list[str]:
         out = []
         for i, line in enumerate(lines, 1):
             try:
-                record = json.loads(line)
+                record = loads_json(line)
             except json.JSONDecodeError as e:
                 raise UsageError(f"{path}:{i}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):

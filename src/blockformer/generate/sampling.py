@@ -15,6 +15,11 @@ from ..errors import UsageError
 from ..models.checks import check_int, check_real, kind_of
 
 
+# Below this, logits / temperature overflow float32 (a logit of 10 over 1e-38 is inf) and
+# the probabilities become NaN: a silent draw from nothing. 1e-4 already samples as greedy.
+MIN_TEMPERATURE = 1e-4
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How to choose each token. ``temperature == 0`` or ``do_sample=False`` is greedy."""
@@ -25,8 +30,10 @@ class Sampling:
     do_sample: bool = True
 
     def __post_init__(self) -> None:
-        if not 0 <= check_real(self.temperature, "temperature") < float("inf"):  # also refuses NaN
-            raise UsageError(f"temperature: {self.temperature}; expected a finite float >= 0")
+        t = check_real(self.temperature, "temperature")
+        if not (t == 0 or MIN_TEMPERATURE <= t < float("inf")):  # also refuses NaN
+            raise UsageError(f"temperature: {self.temperature}; expected 0 (greedy) or a finite float >= "
+                             f"{MIN_TEMPERATURE:g}")
         if self.top_k is not None:
             check_int(self.top_k, "top_k", 1)
         if self.top_p is not None:

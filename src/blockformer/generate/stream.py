@@ -37,8 +37,10 @@ class TextStream:
         for i, s in enumerate(stop_strings):
             if not isinstance(s, str):
                 raise TypeError(f"stop_strings[{i}]: {s!r}; expected a string")
+            if not s:
+                raise ValueError(f"stop_strings[{i}]: ''; expected a non-empty string (nothing to stop at)")
         self.decode, self.write = decode, write
-        self.stop_strings = [s for s in stop_strings if s]
+        self.stop_strings = list(stop_strings)
         self._ids: dict[int, list[int]] = {}
         self._text: dict[int, str] = {}
         self._written: dict[int, int] = {}  # characters already written, per row

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UsageError
+from ..textformats import loads_json
 
 CONFIG = "config.json"
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -33,7 +34,7 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
     if not file.is_file():
         raise UsageError(f"{file}: not found; expected a Hugging Face model directory with {CONFIG}")
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = loads_json(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"{file}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
@@ -122,7 +123,7 @@ def _weight_map(index: Path) -> dict[str, str]:
     """A sharded index's ``weight_map`` (tensor name -> shard file), checked: every shard a
     file inside the index's own directory that exists."""
     try:
-        data = json.loads(index.read_text(encoding="utf-8"))
+        data = loads_json(index.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"{index}: not valid JSON ({_first_line(e)}); expected a shard index") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None

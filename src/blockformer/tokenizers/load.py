@@ -9,6 +9,7 @@ from typing import Iterable
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import UsageError
+from ..textformats import loads_json
 from ..schema import kind_of
 from .base import FILE_NAME, MARKER, Tokenizer
 from .bpe import BPETokenizer
@@ -48,13 +49,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if not text.strip():
         raise UsageError(f"{file}: empty file; expected a {FILE_NAME}")
     try:
-        data = json.loads(text)
+        data = loads_json(text)
     except json.JSONDecodeError as e:
         raise UsageError(f"{file}: invalid JSON ({e.msg}, line {e.lineno}); expected a {FILE_NAME}") from None
     if isinstance(data, dict) and MARKER in data:
         kind = data[MARKER]
         if kind not in ("char", "byte"):
             raise UsageError(f"{file}: unknown {MARKER} kind {kind!r}; expected char or byte")
+        if data.get("version", 1) != 1 or isinstance(data.get("version"), bool):
+            raise UsageError(f"{file}: version {data['version']!r} of the {kind} tokenizer format; "
+                             f"expected 1 (the only version this blockformer reads)")
         return TOKENIZERS[kind].from_dict(data, str(file))
     try:
         hf = HFTokenizer.from_str(text)

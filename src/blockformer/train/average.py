@@ -103,6 +103,12 @@ def average_checkpoints(checkpoints: Sequence[str | Path], output: str | Path) -
     if len(checkpoints) < 1:
         raise UsageError("--checkpoints: none given; expected one or more checkpoint directories")
     paths = [resolve_checkpoint(c, prefer="latest") for c in checkpoints]
+    seen: dict[Path, Path] = {}
+    for p in paths:
+        if p.resolve() in seen:
+            raise UsageError(f"--checkpoints: {seen[p.resolve()]} and {p} are one checkpoint, which would "
+                             f"count double; expected distinct checkpoints")
+        seen[p.resolve()] = p
     output = Path(output)
     if output.resolve() in {p.resolve() for p in paths}:
         raise UsageError(f"--output {output}: is one of the checkpoints being averaged; expected a new directory")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
+import math
 import os
 import pickle
 import re
@@ -34,6 +35,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..run_config import RunConfig
+from ..textformats import loads_json
 from ..tokenizers import load_tokenizer
 
 CONFIG, WEIGHTS, TOKENIZER, STATE = "config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"
@@ -277,15 +279,40 @@ def resolve_checkpoint(path: str | Path, *, prefer: str = "best") -> Path:
 
 
 def read_config(path: str | Path) -> RunConfig:
-    """The run config saved in a checkpoint's ``config.json``."""
-    return RunConfig.from_dict(_read_json(path))
+    """The run config saved in a checkpoint's ``config.json``, checked against the size of
+    the weights beside it."""
+    path = resolve_checkpoint(path)
+    config = RunConfig.from_dict(_read_json(path))
+    _check_size_against_weights(config, path)
+    return config
+
+
+def _check_size_against_weights(config: RunConfig, path: Path) -> None:
+    """A ``config.json`` describing a model far larger than its ``model.safetensors`` holds
+    (``n_layers`` edited to 10**12) is refused before anything is built: building it would
+    run for hours or exhaust the memory. Only the file's header is read; a damaged file is
+    left to ``load_weights``, which names the damage; a LoRA run (no weights file) is skipped."""
+    file = path / WEIGHTS
+    if not file.is_file():
+        return
+    try:
+        with safetensors.safe_open(str(file), framework="pt") as f:
+            held = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    except Exception:  # noqa: BLE001 - the Rust side raises several types for a damaged header
+        return
+    from ..probes.memory import size_estimate  # noqa: PLC0415 - builds on the meta device only
+
+    expected = size_estimate(config.model, 1, 1)["parameters"]
+    if expected > 2 * held + 2**20:  # a loose bound: heads, tied and LoRA weights shift the counts a little
+        raise UsageError(f"{path / CONFIG}: describes a model of {expected:,} parameters but {file} holds "
+                         f"{held:,}; expected the config.json written with these weights")
 
 
 def _read_json(path: str | Path) -> dict[str, Any]:
     """``config.json``: the run config's sections, plus ``tokenizer`` (kind, size, fingerprint)."""
     path = resolve_checkpoint(path)
     try:
-        data = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+        data = loads_json((path / CONFIG).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"{path / CONFIG}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
@@ -325,7 +352,13 @@ def load_tokenizer_for(path: str | Path, vocab_size: int) -> Any:
             f"{file}: tokenizer has {tokenizer.vocab_size} tokens but the model expects "
             f"vocab_size={vocab_size}; expected the tokenizer saved with this checkpoint"
         )
-    recorded = tokenizer_meta(path).get("fingerprint")
+    meta = tokenizer_meta(path)
+    for key, actual in (("kind", tokenizer.kind), ("vocab_size", tokenizer.vocab_size)):
+        if meta.get(key) is not None and meta[key] != actual:
+            raise UsageError(f"{path / CONFIG}: tokenizer.{key}={meta[key]!r} but {file} holds a "
+                             f"{tokenizer.kind} tokenizer of {tokenizer.vocab_size} tokens; expected the "
+                             f"tokenizer saved with this checkpoint")
+    recorded = meta.get("fingerprint")
     if recorded is not None and recorded != tokenizer.fingerprint():
         raise UsageError(
             f"{file}: not the tokenizer this model was trained with (fingerprint {tokenizer.fingerprint()}, "
@@ -338,11 +371,13 @@ def tokenizer_meta(path: str | Path) -> dict[str, Any]:
     """The ``tokenizer`` entry of a checkpoint's ``config.json`` (kind, vocab_size, fingerprint)."""
     file = Path(path) / CONFIG
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = loads_json(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"{file}: not valid JSON ({e})") from None
     meta = data.get("tokenizer", {}) if isinstance(data, dict) else None
-    if not isinstance(meta, dict) or not isinstance(meta.get("fingerprint", ""), (str, type(None))):
+    if (not isinstance(meta, dict) or not isinstance(meta.get("fingerprint", ""), (str, type(None)))
+            or not isinstance(meta.get("kind", ""), (str, type(None)))
+            or type(meta.get("vocab_size", 0)) not in (int, type(None))):
         raise UsageError(f"{file}: 'tokenizer' is {meta!r}; expected an object with kind, vocab_size "
                          f"and fingerprint (as written by save_checkpoint)")
     return meta

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..textformats import loads_json
 
 METRICS = "metrics.jsonl"
 PLOT = "loss.png"
@@ -59,7 +60,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     records = []
     for k, (n, line) in enumerate(lines):
         try:
-            record = json.loads(line.decode("utf-8"))
+            record = loads_json(line.decode("utf-8"))
             if not isinstance(record, dict):
                 raise ValueError(f"a JSON {type(record).__name__}, not an object")
         except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

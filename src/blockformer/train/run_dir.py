@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
+from ..textformats import loads_json
 from ..paths import check_writable_dir
 from .checkpoint import BEST, TMP_TAG, TRASH_TAG, discard, recover, step_checkpoints
 
@@ -106,7 +107,7 @@ def _create(path: Path, text: str) -> None:
 
 def _read_owner(path: Path) -> dict[str, Any] | None:
     try:
-        owner = json.loads(path.read_text(encoding="utf-8"))
+        owner = loads_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError):

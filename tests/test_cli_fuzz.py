@@ -136,6 +136,7 @@ CASES = [
     (["info", "--preset", "nope"], "--preset nope"),
     (["info", "--preset", "copy", "--batch-size", "0"], "--batch-size"),
     (["info", "--preset", "copy", "--seq-len", "-1"], "--seq-len"),
+    (["info", "--preset", "copy", "--world-size", "99999999999999999999"], "--world-size"),
     (["info", "--checkpoint", "{dec}", S, "model.d_model=8"], "--set"),
     (["info", "--preset", "copy", S, "model.n_heads=3"], "n_heads=3"),
     (["info", "--checkpoint", "{bad_json}"], "{bad_json}/config.json"),

@@ -100,5 +100,7 @@ def test_a_real_ctrl_c_while_torch_imports_is_one_line_and_exit_130(tmp_path, en
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)
         assert "Traceback" not in err, (delay, err)
+        if p.returncode == -signal.SIGINT and not err:  # a loaded machine: before Python set its handler
+            continue
         assert p.returncode == 130, (delay, p.returncode, err)
         assert err.strip().endswith("interrupted"), (delay, err)

@@ -10,6 +10,9 @@ from ..errors import UsageError
 from ..run_config import RunConfig, load_run_config, preset_names
 
 
+MAX_WORLD_SIZE = 2**20  # ranks: past any cluster a plan describes
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Parameters, training FLOPs per token and a training-memory estimate for one micro-batch, "
@@ -86,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size is not None:
         from ..parallel.plan import format_plan, plan  # noqa: PLC0415
 
-        if args.world_size < 1:
-            raise UsageError(f"--world-size {args.world_size}: expected an integer >= 1")
+        if not 1 <= args.world_size <= MAX_WORLD_SIZE:
+            raise UsageError(f"--world-size {args.world_size}: expected an integer in [1, {MAX_WORLD_SIZE}]")
         info["plan"] = plan(cfg, args.world_size, args.batch_size, args.seq_len)
     if args.json:
         print(json.dumps(info, indent=2))

@@ -99,8 +99,8 @@ def test_a_real_ctrl_c_while_torch_imports_is_one_line_and_exit_130(tmp_path, en
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)
-        assert "Traceback" not in err, (delay, err)
-        if p.returncode == -signal.SIGINT and not err:  # a loaded machine: before Python set its handler
-            continue
-        assert p.returncode == 130, (delay, p.returncode, err)
-        assert err.strip().endswith("interrupted"), (delay, err)
+        assert "Traceback" not in err and len(err.splitlines()) <= 1, (delay, err)
+        # 130, or death by SIGINT itself, which a shell reports as 130 too (a signal that lands
+        # before Python sets its handler, or while the interpreter is already shutting down)
+        assert p.returncode in (130, -signal.SIGINT), (delay, p.returncode, err)
+        assert p.returncode == -signal.SIGINT or err.strip().endswith("interrupted"), (delay, err)

@@ -9,6 +9,13 @@ from blockformer.run_config import load_run_config, preset_names
 from blockformer.train import precision as P
 from blockformer.train import train
 
+
+@pytest.fixture(autouse=True)
+def uncapped(monkeypatch):
+    """These tests set the CPU probes by hand: the AVX2 cap of `make test-avx2` would hide them
+    (tests/test_hardware.py tests the cap itself)."""
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+
 CPU = torch.device("cpu")
 
 

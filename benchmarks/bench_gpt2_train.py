@@ -35,7 +35,7 @@ from blockformer.stats import flops_per_token
 from blockformer.train.compile import compile_loss
 from blockformer.train.loop import train_step
 from blockformer.train.optim import build_optimizer, fused_available, param_groups
-from blockformer.train.precision import autocast, grad_scaler
+from blockformer.precision import autocast, grad_scaler
 from blockformer.train.throughput import format_flops, peak_flops
 
 REPO = Path(__file__).resolve().parents[1]

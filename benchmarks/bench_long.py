@@ -26,7 +26,7 @@ from common import device_and_precision
 
 from blockformer import TransformerConfig, build_model
 from blockformer.probes.memory import TensorMemory
-from blockformer.train.precision import autocast
+from blockformer.precision import autocast
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -34,7 +34,7 @@ from torch import nn
 from blockformer.run_config import load_run_config
 from blockformer.train import train
 from blockformer.train.metrics import read_metrics
-from blockformer.train.precision import autocast
+from blockformer.precision import autocast
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"

@@ -32,7 +32,7 @@ from blockformer.run_config import load_run_config
 from blockformer.train import load_checkpoint, train
 from blockformer.train.average import average_checkpoints
 from blockformer.train.checkpoint import resolve_checkpoint, step_checkpoints
-from blockformer.train.precision import autocast
+from blockformer.precision import autocast
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "multi30k"

@@ -10,7 +10,7 @@ import torch
 from blockformer import TransformerConfig, build_model
 from blockformer.data.lm import LMDataset
 from blockformer.train.objective import LanguageModelling
-from blockformer.train.precision import resolve_precision
+from blockformer.precision import resolve_precision
 
 
 def add_shape_args(p) -> None:

@@ -33,7 +33,7 @@ from blockformer.train.compile import compile_loss
 from blockformer.train.loop import train_step
 from blockformer.train.objective import Seq2Seq
 from blockformer.train.optim import build_optimizer
-from blockformer.train.precision import grad_scaler
+from blockformer.precision import grad_scaler
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = ("char-lm-tiny", "gpt2-small", "translate-small")

@@ -18,7 +18,7 @@ from blockformer.train import train
 from blockformer.train.finite import finite_weights
 from blockformer.train.loop import NonFiniteLoss, train_step
 from blockformer.train.optim import build_optimizer
-from blockformer.train.precision import grad_scaler
+from blockformer.precision import grad_scaler
 from blockformer.train.setup import build_run
 
 from test_train_loop import QUIET, TINY, tiny_lm

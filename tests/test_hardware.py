@@ -24,7 +24,7 @@ def test_an_avx2_cap_hides_every_feature_beyond_it(monkeypatch, cap):
 
 
 def test_the_avx2_cap_makes_auto_precision_pick_fp32(monkeypatch):
-    from blockformer.train.precision import resolve_precision
+    from blockformer.precision import resolve_precision
 
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert resolve_precision("auto", torch.device("cpu")) == "fp32"

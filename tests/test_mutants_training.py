@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from blockformer.nn.moe import MoEFeedForward
 from blockformer.run_config import load_run_config
 from blockformer.train.loop import train_step
-from blockformer.train.precision import grad_scaler
+from blockformer.precision import grad_scaler
 from blockformer.train.setup import build_run
 
 from parallel_helpers import run_ranks

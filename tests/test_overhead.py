@@ -10,7 +10,7 @@ from blockformer.data.seq2seq import collate_pairs
 from blockformer.tokenizers import PAD_ID
 from blockformer.train.loop import train_step
 from blockformer.train.optim import build_optimizer, fused_available
-from blockformer.train.precision import grad_scaler
+from blockformer.precision import grad_scaler
 from blockformer.train.setup import build_run
 
 from test_heads import tiny_head_cfg

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from blockformer.run_config import load_run_config, preset_names
-from blockformer.train import precision as P
+from blockformer import precision as P
 from blockformer.train import train
 
 

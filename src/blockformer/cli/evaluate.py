@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..generate.quantize import quantize  # noqa: PLC0415
     from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
-    from ..train.precision import autocast, check_precision, resolve_device  # noqa: PLC0415
+    from ..precision import autocast, check_precision, resolve_device  # noqa: PLC0415
 
     if args.batch_size is not None and not 1 <= args.batch_size <= 2**16:
         raise UsageError(f"--batch-size {args.batch_size}: expected an integer in [1, 65536]")

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from ..generate import TextStream, generate, prepare_for_decoding, speculative_generate  # noqa: PLC0415
     from ..tokenizers import EOS_ID  # noqa: PLC0415
     from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
-    from ..train.precision import check_precision, resolve_device  # noqa: PLC0415
+    from ..precision import check_precision, resolve_device  # noqa: PLC0415
 
     from ..generate.decoder import MAX_NEW_TOKENS  # noqa: PLC0415
     from ..generate.sampling import MIN_TEMPERATURE  # noqa: PLC0415

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
 def measure_peaks(device_name: str) -> dict:
     """Matmul peak FLOP/s per precision on ``device_name``, measured now (and cached)."""
-    from ..train.precision import native_bf16, resolve_device  # noqa: PLC0415
+    from ..precision import native_bf16, resolve_device  # noqa: PLC0415
     from ..train.throughput import machine_key, peak_flops  # noqa: PLC0415
 
     device = resolve_device(device_name)

@@ -99,7 +99,7 @@ def check_probe_options(options: dict) -> None:
             if not math.isfinite(value) or not low_ok:
                 raise UsageError(f"{flag} {value}: expected a finite float {'> 0' if name in ('lr', 'init_std') else '>= 0'}")
         elif name == "device":
-            from ..train.precision import resolve_device  # noqa: PLC0415
+            from ..precision import resolve_device  # noqa: PLC0415
 
             if value not in ("cpu", "cuda", "auto"):
                 raise UsageError(f"--device {value}: expected cpu or cuda")

@@ -175,7 +175,7 @@ def prepare_for_decoding(
     (``bf16``/``fp16`` halve the bytes each step reads; autocast would instead re-cast every
     weight on every step), then quantized with ``scheme`` if given, else, with ``pack`` on a
     CPU, its matmul weights packed for the CPU kernel (``pack_linears``: eager decoding only)."""
-    from ..train.precision import DTYPES  # noqa: PLC0415
+    from ..precision import DTYPES  # noqa: PLC0415
     from .packed import pack_linears  # noqa: PLC0415
 
     check_model(model)

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from ..train.precision import DTYPES
+from ..precision import DTYPES
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:

@@ -28,7 +28,7 @@ from ..errors import UsageError
 from ..models.base import TransformerModel, default_positions
 from ..nn.stack import Stack
 from ..nn.loss import token_loss
-from ..train.precision import autocast
+from ..precision import autocast
 from .data import rows_of
 
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}

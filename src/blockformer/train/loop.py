@@ -65,7 +65,7 @@ from .metrics import MetricsLog, perplexity, plot_losses
 from .finetune import lr_scale
 from .finite import diverged_message, finite_weights, restore_finite
 from .optim import build_optimizer, kernel_kept
-from .precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
+from ..precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
 from .run_dir import CONFIG_TOML, RunLock, clear_previous_run, main_process, prepare, replace_file
 from .schedule import build_scheduler, load_scheduler_state
 from .setup import Objective, build_run

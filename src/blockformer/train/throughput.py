@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .precision import DTYPES
+from ..precision import DTYPES
 
 PEAK_FILE = "peak.json"
 _CPU_SIZES = (256, 512, 1024, 2048)

@@ -17,8 +17,8 @@ import warnings
 
 import torch
 
-from ..errors import UsageError
-from ..hardware import cpu_has
+from .errors import UsageError
+from .hardware import cpu_has
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from .config import TransformerConfig
 from .schema import check_types, describe, dumps_toml, is_union, suggest
 from .errors import UsageError
+from .nn.lora import LORA_TARGETS, LoraConfig  # noqa: F401 - the [lora] section; nn.lora owns it
 from .textformats import loads_toml
 
 if sys.version_info >= (3, 11):
@@ -34,7 +35,6 @@ Compile = Literal["auto"]
 Freeze = Literal["none", "embeddings", "body"]
 HeadTask = Literal["none", "classify", "multilabel", "tokens", "regress"]
 Pooling = Literal["auto", "cls", "mean", "last"]
-LORA_TARGETS = ("qkv", "out", "up", "gate", "down")
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 Checkpointing = Literal["none", "full", "selective"]
 
@@ -232,31 +232,6 @@ class HeadConfig:
             raise UsageError(f"head.dropout={self.dropout!r}: expected a float in [0, 1)")
         if not isinstance(self.labels, list) or not all(isinstance(x, str) for x in self.labels):
             raise UsageError(f"head.labels={self.labels!r}: expected a list of strings")
-
-
-@dataclass
-class LoraConfig:
-    """Low-rank adapters (Hu et al. 2021): ``W x + (alpha / r) B A x`` on the chosen
-    projections, ``B = 0`` at the start; only adapters (and a task head) train."""
-
-    rank: int = 0  # 0 = no adapters
-    alpha: float = 16.0
-    rslora: bool = False  # scale alpha / sqrt(r) instead of alpha / r (Kalajdzievski 2023)
-    dropout: float = 0.0  # on the adapter's input
-    targets: list[str] = field(default_factory=lambda: ["qkv", "out"])  # qkv, out, up, gate, down
-
-    def __post_init__(self) -> None:
-        check_types(self, SECTION_OF[type(self).__name__])
-        if self.rank < 0:
-            raise UsageError(f"lora.rank={self.rank!r}: expected an integer >= 0 (0 = off)")
-        if self.alpha <= 0:
-            raise UsageError(f"lora.alpha={self.alpha!r}: expected a float > 0")
-        if not 0.0 <= self.dropout < 1.0:
-            raise UsageError(f"lora.dropout={self.dropout!r}: expected a float in [0, 1)")
-        bad = [t for t in self.targets if t not in LORA_TARGETS] if isinstance(self.targets, list) else [self.targets]
-        if bad or not self.targets:
-            raise UsageError(f"lora.targets={self.targets!r}: expected a non-empty list of {', '.join(LORA_TARGETS)}")
-
 
 
 @dataclass

@@ -19,17 +19,46 @@ inference, quantization, export); ``unmerge`` takes it out again.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..run_config import LoraConfig
+from ..errors import UsageError
+from ..schema import check_types
 from .attention import Attention
 from .dropout import Dropout
 from .feedforward import FeedForward
 
 LORA_MARK = "lora_"  # every adapter tensor's name contains it
+LORA_TARGETS = ("qkv", "out", "up", "gate", "down")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (Hu et al. 2021): ``W x + (alpha / r) B A x`` on the chosen
+    projections, ``B = 0`` at the start; only adapters (and a task head) train.
+
+    The run config's ``[lora]`` section (``blockformer.run_config.LoraConfig`` is this class)."""
+
+    rank: int = 0  # 0 = no adapters
+    alpha: float = 16.0
+    rslora: bool = False  # scale alpha / sqrt(r) instead of alpha / r (Kalajdzievski 2023)
+    dropout: float = 0.0  # on the adapter's input
+    targets: list[str] = field(default_factory=lambda: ["qkv", "out"])  # qkv, out, up, gate, down
+
+    def __post_init__(self) -> None:
+        check_types(self, "lora")
+        if self.rank < 0:
+            raise UsageError(f"lora.rank={self.rank!r}: expected an integer >= 0 (0 = off)")
+        if self.alpha <= 0:
+            raise UsageError(f"lora.alpha={self.alpha!r}: expected a float > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UsageError(f"lora.dropout={self.dropout!r}: expected a float in [0, 1)")
+        bad = [t for t in self.targets if t not in LORA_TARGETS] if isinstance(self.targets, list) else [self.targets]
+        if bad or not self.targets:
+            raise UsageError(f"lora.targets={self.targets!r}: expected a non-empty list of {', '.join(LORA_TARGETS)}")
 
 
 class LoRALinear(nn.Linear):

@@ -8,8 +8,8 @@ import pytest
 from blockformer.cli import main
 from blockformer.config import TransformerConfig
 from blockformer.data.tasks import make_task
-from blockformer.probes import memory
-from blockformer.probes.memory import _measured, size_estimate
+from blockformer import stats as memory
+from blockformer.stats import _measured, size_estimate
 
 
 def _sets(*items: str) -> list[str]:

@@ -76,7 +76,7 @@ def test_a_deep_plan_counts_what_the_full_build_counts(extra):
 
     from blockformer.models import build_model
     from blockformer.parallel.plan import count, count_at_depth
-    from blockformer.probes.memory import EXACT_LAYERS
+    from blockformer.stats import EXACT_LAYERS
 
     m = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=EXACT_LAYERS + 5, d_ff=32, **extra)
     with torch.device("meta"):

@@ -1,10 +1,20 @@
-"""Size and cost of a model: parameters, FLOPs per token, memory for a batch."""
+"""Size and cost of a model: parameters, FLOPs per token, memory for a batch.
+
+Also the estimates made before a model is built at its depth (``size_estimate``) and the
+refusal of a run that cannot fit this machine's RAM (``check_fits_in_memory``,
+``check_run_fits``): arithmetic on the config and a model on the meta device, no training.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
 
 from torch import nn
 
 from .config import TransformerConfig
+from .errors import UsageError
 from .models.checks import check_config, check_int, check_model
 
 
@@ -104,3 +114,108 @@ def memory_estimate(cfg: TransformerConfig, batch_size: int, seq_len: int, *, by
         "activation_bytes": act * bytes_per_value,
         "total_bytes": 4 * weights + act * bytes_per_value,
     }
+
+
+# ---------------------------------------------------------------- estimates before building
+EXACT_LAYERS = 64  # deeper configs are measured at two small depths and extrapolated
+
+
+def size_estimate(cfg: Any, batch_size: int, seq_len: int) -> dict[str, Any]:
+    """Parameters (all, without embeddings, active) and ``memory_estimate`` for ``cfg``
+    without building it at its depth: every block of a stack holds the same parameters, so
+    each figure is linear in the number of layers; a config deeper than ``EXACT_LAYERS`` is
+    built (on the meta device) at depths 2 and 3 and extended along that line. A width whose
+    tensors overflow torch's size limit raises a one-line ``UsageError``."""
+    if cfg.total_layers <= EXACT_LAYERS:
+        return _measured(cfg, batch_size, seq_len)
+    if cfg.arch == "encoder-decoder":
+        depths = {"n_encoder_layers": cfg.n_encoder_layers, "n_decoder_layers": cfg.n_decoder_layers}
+    else:
+        depths = {"n_layers": cfg.n_layers}
+    small = dict.fromkeys(depths, 2)
+    base = _measured(dataclasses.replace(cfg, **small), batch_size, seq_len)
+    out = dict(base)
+    for name, depth in depths.items():
+        step = _measured(dataclasses.replace(cfg, **{**small, name: 3}), batch_size, seq_len)
+        out = _combine(out, step, base, depth - 2)
+    return out
+
+
+def _combine(acc: Any, step: Any, base: Any, times: int) -> Any:
+    """``acc + times * (step - base)``, leaf by leaf through nested dicts of integers."""
+    if isinstance(acc, dict):
+        return {k: _combine(acc[k], step[k], base[k], times) for k in acc}
+    return acc + times * (step - base)
+
+
+def _measured(cfg: Any, batch_size: int, seq_len: int) -> dict[str, Any]:
+    """The figures of ``cfg``, from a model built on the meta device (no memory allocated)."""
+    from .models import build_model  # noqa: PLC0415 - as memory_estimate
+    import torch  # noqa: PLC0415
+
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg)
+    except RuntimeError as e:  # "Storage size calculation overflowed with sizes=[...]"
+        weights = block_weights(cfg) + cfg.d_model * cfg.vocab_size
+        raise UsageError(
+            f"model: d_model={cfg.d_model}, d_ff={cfg.d_ff}, vocab_size={cfg.vocab_size} give a tensor "
+            f"too large for torch to allocate (about {weights:.3g} weights by arithmetic: {str(e).splitlines()[0]}); "
+            "expected a smaller width"
+        ) from None
+    return {
+        "parameters": count_parameters(model),
+        "parameters_without_embeddings": count_parameters(model, exclude_embeddings=True),
+        "active_parameters": active_parameters(model, cfg),
+        "memory_bytes": memory_estimate(cfg, batch_size, seq_len),
+    }
+
+
+def machine_memory_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_fits_in_memory(cfg: Any, batch_size: int, seq_len: int, what: str) -> dict[str, Any]:
+    """``size_estimate``, or a one-line ``UsageError`` when its training-memory estimate
+    exceeds this machine's RAM: refused before anything is built (or hangs in swap)."""
+    est = size_estimate(cfg, batch_size, seq_len)
+    ram, need = machine_memory_bytes(), est["memory_bytes"]["total_bytes"]
+    if ram is not None and need > ram:
+        raise UsageError(
+            f"{what}: training needs about {need / 2**30:,.1f} GiB ({est['parameters']:,} parameters, a "
+            f"micro-batch of {batch_size} x {seq_len} tokens, fp32 estimate) but this machine has "
+            f"{ram / 2**30:,.1f} GiB of RAM; expected a smaller model, batch or sequence length"
+        )
+    return est
+
+
+def run_batch_shape(cfg: Any, make_task: Callable[[Any], Any]) -> tuple[int, int]:
+    """``(batch, seq_len)`` of a run config's training micro-batch: ``train.batch_size``
+    sequences of the data's length (``train.max_tokens`` tokens for aligned pairs). For a
+    synthetic task the length is its longest example, from ``make_task(cfg.data)`` (the
+    caller's task factory: this module knows no data)."""
+    m, data, tc = cfg.model, cfg.data, cfg.train
+    if data.kind == "text":
+        T, B = data.seq_len, tc.batch_size
+    elif data.kind == "task":
+        T, B = min(make_task(data).longest() + 1, m.max_seq_len), tc.batch_size
+    elif data.kind == "pairs":
+        T = m.max_seq_len
+        B = max(1, tc.max_tokens // T)
+    else:
+        T, B = m.max_seq_len, tc.batch_size
+    return B, T
+
+
+def check_run_fits(cfg: Any, device: Any, make_task: Callable[[Any], Any]) -> None:
+    """``check_fits_in_memory`` for a run config about to train on ``device``, its micro-batch
+    as ``run_batch_shape`` finds it (``make_task``: ``data -> Task``, called only for a
+    synthetic task). Only on the CPU, where RAM is the bound; a GPU reports its own OOM."""
+    if getattr(device, "type", str(device)) != "cpu":
+        return
+    B, T = run_batch_shape(cfg, make_task)
+    check_fits_in_memory(cfg.model, B, T, "model")

@@ -45,8 +45,8 @@ from ..config import TransformerConfig
 from ..models import build_model
 from ..nn.attention import Attention
 from ..nn.feedforward import FeedForward
-from ..probes.memory import EXACT_LAYERS
 from ..run_config import RunConfig
+from ..stats import EXACT_LAYERS
 
 from .mesh import Degrees, resolve_degrees
 from .pipeline import STAGES_PER_RANK, check_pp, stage_bounds

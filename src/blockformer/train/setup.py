@@ -22,7 +22,7 @@ from ..data.lm import LMDataset
 from ..data.seq2seq import encode_pairs, read_pairs
 from ..data.sources import iter_texts
 from ..data.tasks import Task, TaskBatches, make_task
-from ..probes.memory import check_run_fits
+from ..stats import check_run_fits
 from ..data.token_file import TokenFile, build_token_file
 from ..errors import UsageError
 from ..data.labelled import LabelledData, class_weights, label_counts, label_names, read_labelled, split_examples
@@ -152,7 +152,7 @@ def build_run(
         cfg = dataclasses.replace(cfg, head=dataclasses.replace(cfg.head, labels=labelled_names(cfg)))
     if cfg.data.kind == "dataset" and cfg.head.task != "none" and not cfg.head.labels:
         cfg = dataclasses.replace(cfg, head=dataclasses.replace(cfg.head, labels=dataset_labels(cfg)))
-    check_run_fits(cfg, device)  # estimated from arithmetic: refused before anything is built
+    check_run_fits(cfg, device, make_task_for)  # estimated from arithmetic: refused before anything is built
     model = build_model_for(cfg, seed=cfg.train.seed, device=device, log=log, load_init=tokenizer_from is None)
     objective = build_objective(cfg, tokenizer, device, log)
     return Run(config=cfg, tokenizer=tokenizer, model=model, objective=objective)

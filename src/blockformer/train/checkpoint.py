@@ -35,6 +35,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..run_config import RunConfig
+from ..stats import size_estimate
 from ..textformats import loads_json
 from ..tokenizers import load_tokenizer
 
@@ -300,8 +301,6 @@ def _check_size_against_weights(config: RunConfig, path: Path) -> None:
             held = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     except Exception:  # noqa: BLE001 - the Rust side raises several types for a damaged header
         return
-    from ..probes.memory import size_estimate  # noqa: PLC0415 - builds on the meta device only
-
     expected = size_estimate(config.model, 1, 1)["parameters"]
     if expected > 2 * held + 2**20:  # a loose bound: heads, tied and LoRA weights shift the counts a little
         raise UsageError(f"{path / CONFIG}: describes a model of {expected:,} parameters but {file} holds "

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..hardware import cpu_has
 from ..models.checks import check_model
-from .quantize import swap_linears
+from .linears import swap_linears
 
 
 @functools.cache

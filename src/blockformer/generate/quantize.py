@@ -14,18 +14,21 @@ The packed kernels pay off with bf16 activations (``--precision bf16``): with fp
 PyTorch's CPU kernels are slower than the float model. This is for inference: a quantized
 model cannot be trained, and its outputs differ from the float model's (int4 more than
 int8; ``blockformer eval --quantize`` measures the cost).
+
+``prepare_for_decoding`` is the last step before decoding: the decoding dtype, then either
+quantized here or packed for the CPU kernel (``packed.py``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..models.checks import check_model
-
+from ..precision import DTYPES
+from .linears import swap_linears
+from .packed import pack_linears
 
 KERNEL_MAX_ROWS = 4  # the packed CPU kernels beat a dense matmul only for a few rows
 
@@ -160,14 +163,6 @@ def quantize(model: nn.Module, scheme: str | None, group_size: int = 128) -> nn.
     return model.eval()
 
 
-def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module | None]) -> None:
-    """Replace, in place, each ``nn.Linear`` of ``model`` for which ``make`` returns a module."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and (new := make(child)) is not None:
-                setattr(module, name, new)
-
-
 def prepare_for_decoding(
     model: nn.Module, precision: str = "fp32", scheme: str | None = None, pack: bool = False
 ) -> nn.Module:
@@ -175,9 +170,6 @@ def prepare_for_decoding(
     (``bf16``/``fp16`` halve the bytes each step reads; autocast would instead re-cast every
     weight on every step), then quantized with ``scheme`` if given, else, with ``pack`` on a
     CPU, its matmul weights packed for the CPU kernel (``pack_linears``: eager decoding only)."""
-    from ..precision import DTYPES  # noqa: PLC0415
-    from .packed import pack_linears  # noqa: PLC0415
-
     check_model(model)
     if precision not in DTYPES:
         raise ValueError(f"precision={precision!r}: expected one of {tuple(DTYPES)}")

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
     from ..precision import check_precision, resolve_device  # noqa: PLC0415
 
-    from ..generate.decoder import MAX_NEW_TOKENS  # noqa: PLC0415
+    from ..generate.causal import MAX_NEW_TOKENS  # noqa: PLC0415
     from ..generate.sampling import MIN_TEMPERATURE  # noqa: PLC0415
 
     if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:

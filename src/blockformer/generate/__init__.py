@@ -4,7 +4,7 @@ model's preallocated KV cache."""
 
 from .batching import pad_batch, positions_from_mask
 from .beam import Hypothesis, beam_search, length_penalty
-from .decoder import generate
+from .causal import generate
 from .packed import PackedLinear, pack_linears
 from .quantize import Int4Linear, Int8Linear, prepare_for_decoding, quantize
 from .sampling import Sampling, choose, process_logits, sample, top_k_filter, top_p_filter

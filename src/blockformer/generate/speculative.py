@@ -30,7 +30,7 @@ from torch import nn
 from ..errors import UsageError
 from ..models.checks import check_model
 from .batching import PAD_ID
-from .decoder import OnToken, StopFn, _check_count, _check_prompt_ids, _prompt_batch, _window, check_decoding_args
+from .causal import OnToken, StopFn, _check_count, _check_prompt_ids, _prompt_batch, _window, check_decoding_args
 from .sampling import Sampling, _process, sample
 from .step import cache_dtype, eval_mode, model_device
 

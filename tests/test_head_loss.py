@@ -5,9 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-from blockformer import TransformerConfig, build_model
+from blockformer import TransformerConfig, build_model, kernels
 from blockformer.nn import loss as loss_module
-from blockformer.nn.loss import CHUNK_ROWS, head_loss, token_loss
+from blockformer.kernels import HEAD_LOSS_CHUNK_ROWS as CHUNK_ROWS
+from blockformer.nn.loss import head_loss, token_loss
 from blockformer.probes.memory import TensorMemory
 
 from numerics import assert_close_sums
@@ -16,7 +17,7 @@ from numerics import assert_close_sums
 @pytest.fixture(autouse=True)
 def fuse_every_vocabulary(monkeypatch):
     """Small heads keep these tests fast; the fused path is taken whatever the vocabulary."""
-    monkeypatch.setattr(loss_module, "FUSE_MIN_VOCAB", 0)
+    monkeypatch.setattr(kernels, "FUSE_MIN_VOCAB", 0)
 
 
 def _head_and_batch(n: int, d: int = 16, vocab: int = 50, bias: bool = True, seed: int = 0):
@@ -97,7 +98,7 @@ def test_the_whole_float32_logits_are_never_made():
 
 
 def test_a_small_vocabulary_is_scored_in_one_piece(monkeypatch):
-    monkeypatch.setattr(loss_module, "FUSE_MIN_VOCAB", 1000)
+    monkeypatch.setattr(kernels, "FUSE_MIN_VOCAB", 1000)
     called = []
     monkeypatch.setattr(loss_module._LinearCrossEntropy, "apply", lambda *a: called.append(a))
     head, h, targets = _head_and_batch(n=20, vocab=999)

@@ -66,17 +66,17 @@ class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
 ])
 def test_cpu_attention_kernel_follows_the_measured_choice(monkeypatch, dtype, keys, grad, fused):
     """On the CPU kind it was measured on (AVX512-BF16, no AMX); elsewhere torch's fused choice."""
-    from blockformer.nn import attention  # noqa: PLC0415
+    from blockformer import kernels  # noqa: PLC0415
     from blockformer.nn.attention import _sdpa  # noqa: PLC0415
 
-    monkeypatch.setattr(attention, "UNFUSED_SHORT_BF16", True)
+    monkeypatch.setattr(kernels, "UNFUSED_SHORT_BF16", True)
     q, k, v = (torch.randn(2, 4, keys, 16, dtype=dtype, requires_grad=grad) for _ in range(3))
     with _Ops() as ops, torch.set_grad_enabled(grad):
         out = _sdpa(q, k, v, None, True, 0.0)
     assert any("flash_attention" in n for n in ops.names) is fused, sorted(ops.names)
     reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     assert (out.float() - reference).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
-    monkeypatch.setattr(attention, "UNFUSED_SHORT_BF16", False)  # an unmeasured CPU kind
+    monkeypatch.setattr(kernels, "UNFUSED_SHORT_BF16", False)  # an unmeasured CPU kind
     with _Ops() as ops, torch.set_grad_enabled(grad):
         _sdpa(q, k, v, None, True, 0.0)
     assert any("flash_attention" in n for n in ops.names)
@@ -86,10 +86,10 @@ def test_cpu_attention_kernel_follows_the_measured_choice(monkeypatch, dtype, ke
 def test_masked_bf16_training_attention_equals_the_reference(monkeypatch, keys):
     """A padding + causal boolean mask (as sequence-to-sequence batches build it) hides the
     same keys on the unfused path as on torch's own: forward and gradients within bf16."""
-    from blockformer.nn import attention  # noqa: PLC0415
+    from blockformer import kernels  # noqa: PLC0415
     from blockformer.nn.attention import _sdpa  # noqa: PLC0415
 
-    monkeypatch.setattr(attention, "UNFUSED_SHORT_BF16", True)
+    monkeypatch.setattr(kernels, "UNFUSED_SHORT_BF16", True)
 
     torch.manual_seed(0)
     lengths = torch.tensor([keys, keys - 5, 3])

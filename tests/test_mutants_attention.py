@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from blockformer import kernels
 from blockformer.config import TransformerConfig
 from blockformer.nn import attention as attention_module
 from blockformer.nn.attention import Attention, AttnInputs
@@ -151,7 +152,7 @@ def test_gqa_on_the_unfused_bf16_path_reads_its_own_kv_group(monkeypatch):
     """bf16 training over short keys takes the unfused kernel on CPUs with AVX512-BF16 and no
     AMX; forced here on any CPU. Against the fp32 reference of the same (bf16) weights, to
     bf16's rounding: 8 bits of mantissa, scores summed over head_dim 8."""
-    monkeypatch.setattr(attention_module, "UNFUSED_SHORT_BF16", True)
+    monkeypatch.setattr(kernels, "UNFUSED_SHORT_BF16", True)
     calls = []
     unfused = attention_module._unfused
     monkeypatch.setattr(attention_module, "_unfused", lambda *a: calls.append(1) or unfused(*a))

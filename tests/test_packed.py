@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from blockformer import TransformerConfig, build_model
+from blockformer import TransformerConfig, build_model, kernels
 from blockformer.generate import PackedLinear, generate, pack_linears, prepare_for_decoding
 from blockformer.generate import packed as packed_module
 from blockformer.generate.quantize import Int8Linear
@@ -75,7 +75,7 @@ def test_nothing_is_packed_where_packing_is_not_available_or_not_measured(monkey
     if unavailable == "onednn":
         monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     else:  # a CPU with AVX2 alone: no AVX-512, no bf16 units
-        monkeypatch.setattr(packed_module, "cpu_has", lambda probe: False)
+        monkeypatch.setattr(kernels, "cpu_has", lambda probe: False)
     packed_module.can_pack.cache_clear()
     try:
         for dtype in (torch.float32, torch.bfloat16):

@@ -8,7 +8,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from blockformer.nn import loss as loss_module
+from blockformer import kernels
 from blockformer.parallel.data import shard_batch
 from blockformer.parallel.mesh import Degrees, resolve_degrees
 from blockformer.run_config import ParallelConfig, load_run_config
@@ -84,7 +84,7 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, kind):
 
 def _two_layouts(rank: int, kind: str, tmp: str, fuse_every_head: bool = False) -> None:
     if fuse_every_head:  # the small test vocabulary would keep the one-piece loss (a fresh process)
-        loss_module.FUSE_MIN_VOCAB = 0
+        kernels.FUSE_MIN_VOCAB = 0
     _train_on_rank(rank, kind, tmp, ["parallel.dp_shard=2"], "fsdp")
     _train_on_rank(rank, kind, tmp, ["parallel.dp_replicate=2"], "ddp")
 

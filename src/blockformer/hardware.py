@@ -1,5 +1,5 @@
-"""What this machine's CPU offers: the precision defaults and the attention kernel choice
-read it (never assume a CPU feature: detect it)."""
+"""What this machine's CPU offers: ``kernels`` reads it for every hardware-dependent choice
+(precision ``auto``, attention, weight packing), never assuming a CPU feature but detecting it."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from . import kernels
 from .errors import UsageError
 from .hardware import cpu_has
 
@@ -38,7 +39,7 @@ def native_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
-        return cpu_has("_is_amx_tile_supported") or cpu_has("_is_avx512_bf16_supported")
+        return kernels.native_bf16_cpu()
     return False
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..hardware import cpu_has
+from .. import kernels
 from ..models.checks import check_model
 from .linears import swap_linears
 
@@ -36,10 +36,7 @@ def can_pack(dtype: torch.dtype) -> bool:
     """Whether this torch and CPU pack ``dtype`` weights and give ``F.linear``'s result."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
-    if dtype == torch.bfloat16:
-        measured = cpu_has("_is_avx512_bf16_supported") or cpu_has("_is_amx_tile_supported")
-    else:
-        measured = dtype == torch.float32 and cpu_has("_is_avx512_supported")
+    measured = kernels.packs_on_this_cpu(dtype)
     if not measured:
         return False
     try:

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..config import TransformerConfig
-from ..hardware import cpu_has
 from .dropout import dropout as apply_dropout
 from .kv_cache import KVCache
 from .position import apply_rope
@@ -84,17 +84,6 @@ class Attention(nn.Module):
         return k, v
 
 
-# On a CPU with AVX512-BF16 and no AMX, the fused kernel's bf16 backward is slower than
-# plain matmuls over short keys: forward + backward of one layer took 3.5 ms fused against
-# 1.4 ms unfused at nanoGPT's CPU shape (B 12, 4 heads, T 64, head_dim 32), 7.2 against 4.6
-# ms at T 128, the same at T 256, and the fused kernel wins 2-3.5x from T 512 (in fp32 it
-# wins at every length). Training in bf16 on such a CPU therefore takes the unfused kernel
-# up to this many keys (the T x T scores are small there). Other CPUs (AMX; bf16 emulated
-# without AVX512-BF16) were not measured and keep torch's choice.
-CPU_BF16_UNFUSED_MAX_KEYS = 128
-UNFUSED_SHORT_BF16 = cpu_has("_is_avx512_bf16_supported") and not cpu_has("_is_amx_tile_supported")
-
-
 def _sdpa(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None = None) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     if mask is not None and mask.dtype != torch.bool:
@@ -104,9 +93,9 @@ def _sdpa(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None = 
         groups = 1
     # On a CPU, attention dropout always leaves the fused kernel for torch's unfused one,
     # which draws its mask with ``bernoulli_``; the same computation is written out below
-    # with the cheaper mask of ``nn.dropout``.
-    if q.device.type == "cpu" and torch.is_grad_enabled() and (dropout > 0 or (
-            q.dtype == torch.bfloat16 and k.shape[-2] <= CPU_BF16_UNFUSED_MAX_KEYS and UNFUSED_SHORT_BF16)):
+    # with the cheaper mask of ``nn.dropout``. bf16 training over short keys is written out
+    # too where the fused backward is slower (``kernels.unfused_attention``).
+    if kernels.unfused_attention(q.device, q.dtype, k.shape[-2], dropout, torch.is_grad_enabled()):
         return _unfused(q, k, v, mask, is_causal, dropout, scale, groups)
     kwargs = {"enable_gqa": True} if groups > 1 else {}
     if scale is not None:

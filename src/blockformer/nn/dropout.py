@@ -1,15 +1,14 @@
 """Dropout (Srivastava et al. 2014) whose mask is cheap to draw on a CPU.
 
-torch's CPU dropout draws one Bernoulli sample per element; in a translate-small training
-step (bf16, 2 cores) ``bernoulli_`` took 20% of the time. Here the keep mask is cut from
-64-bit random words, 16 bits per element, so one draw of the generator serves four
-elements: drawing a (3000, 256) mask took 0.64 ms against 4.6 ms for ``F.dropout`` as a
-whole. ``p`` is resolved to 1/65536 and the kept values are scaled by the exact inverse of
-the resulting keep rate, so the expectation is unchanged. The draws come from torch's
+torch's CPU dropout draws one Bernoulli sample per element, a large share of a CPU training
+step. Here the keep mask is cut from 64-bit random words, 16 bits per element, so one draw
+of the generator serves four elements (the figures: BENCHMARKS.md, "Kernel choices").
+``p`` is resolved to 1/65536 and the kept values are scaled by the exact inverse of the
+resulting keep rate, so the expectation is unchanged. The draws come from torch's
 generator, so ``torch.manual_seed`` and a restored RNG state reproduce the masks.
 
 On other devices, for a DTensor, and under ``torch.compile`` (which generates its own masks
-inside the fused kernel), this is ``F.dropout``.
+inside the fused kernel), this is ``F.dropout`` (``kernels.cheap_dropout`` decides).
 """
 
 from __future__ import annotations
@@ -19,6 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .. import kernels
 
 _LEVELS = 1 << 16
 
@@ -36,7 +37,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     """Zero each element with probability ``p`` and scale the rest by ``1 / (1 - p)``."""
     if not training or p == 0.0:
         return x
-    if type(x) is not torch.Tensor or x.device.type != "cpu" or p >= 1.0 or torch.compiler.is_compiling():
+    if p >= 1.0 or not kernels.cheap_dropout(x):
         return F.dropout(x, p, True)  # a DTensor keeps its own, shard-aware random streams
     keep, rate = keep_mask(x.shape, p, x.device)
     return x * keep * (1.0 / rate)  # autograd keeps the 1-byte mask for the backward

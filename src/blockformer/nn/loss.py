@@ -10,8 +10,8 @@ Two ways to the same number:
 - ``head_loss(h, head, targets)``: the output projection and the loss fused. The logits
   ``(N, V)`` are the largest activation of a language model (GPT-2 small at batch 4 x 512:
   103M numbers, 412 MB in float32, kept twice for the log-softmax's backward), and reading
-  and writing them is memory-bound work. Here they are made ``CHUNK_ROWS`` rows at a time,
-  small enough to stay in cache; each chunk's loss and its gradient with respect to the
+  and writing them is memory-bound work. Here they are made ``kernels.HEAD_LOSS_CHUNK_ROWS``
+  rows at a time, small enough to stay in cache; each chunk's loss and its gradient with respect to the
   logits (``softmax - smoothed one_hot``) are computed at once, since the loss is the end
   of the graph, and the gradients of ``h`` and the weight are two matmuls over the whole
   batch. Nothing of size ``N x V`` is kept but that gradient, in the matmul dtype.
@@ -25,18 +25,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
+from .. import kernels
+
 PAD = 0
-# Rows of logits made at a time. Measured on a 2-core AVX512-BF16 CPU, bf16, with a first
-# version of the loop below: forward and backward of the head and loss took 32 ms at 128
-# rows against 35 (64) and 36 (256), and 79 unfused, for 1500 tokens x 6000 classes
-# (translate-small); 1.13 s against 1.15 (64), 1.32 (256) and 1.58 unfused for 2048 tokens
-# x 50257 classes (GPT-2 small).
-CHUNK_ROWS = 128
-# Below this many classes the logits are small and torch's one-piece loss is faster: 0.21 ms
-# against 0.55 fused for 768 tokens x 65 classes (char-lm-tiny), 1.9-2.7 against 1.7 at 1000.
-# With torch's kernels forced to AVX2 (fp32) the same break-even held: 0.47 vs 0.88 ms at 65,
-# 6.5 vs 4.8 at 1000 (BENCHMARKS.md).
-FUSE_MIN_VOCAB = 1000
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
@@ -59,20 +50,13 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: flo
 def head_loss(h: torch.Tensor, head: nn.Module, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """``token_loss(head(h), targets, label_smoothing)`` without the whole logits.
 
-    Fused for a plain ``nn.Linear`` head over at least ``FUSE_MIN_VOCAB`` classes in eager
-    mode. Otherwise the logits are made and scored as usual: a small vocabulary, a subclass
-    (LoRA adds its adapters to the product), a sharded head (``DTensor``: tensor parallelism
-    has its own vocabulary-parallel loss), and a traced graph (inductor fuses the
-    log-softmax itself).
+    Fused for a plain ``nn.Linear`` head over at least ``kernels.FUSE_MIN_VOCAB`` classes in
+    eager mode (``kernels.fuse_head_loss``). Otherwise the logits are made and scored as
+    usual: a small vocabulary, a subclass (LoRA adds its adapters to the product), a sharded
+    head (``DTensor``: tensor parallelism has its own vocabulary-parallel loss), and a traced
+    graph (inductor fuses the log-softmax itself).
     """
-    fused = (
-        type(head) is nn.Linear
-        and head.out_features >= FUSE_MIN_VOCAB
-        and not torch.compiler.is_compiling()
-        and not isinstance(h, DTensor)
-        and not isinstance(head.weight, DTensor)
-    )
-    if not fused:
+    if not kernels.fuse_head_loss(head, h):
         return token_loss(head(h), targets, label_smoothing)
     dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else head.weight.dtype
     return _LinearCrossEntropy.apply(
@@ -93,8 +77,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_logits = x.new_empty(n, vocab) if (need_h or need_w or need_b) else None
             total = torch.zeros((), dtype=torch.float32, device=h.device)
             eps = label_smoothing
-            for start in range(0, n, CHUNK_ROWS):
-                rows = slice(start, start + CHUNK_ROWS)
+            chunk = kernels.HEAD_LOSS_CHUNK_ROWS
+            for start in range(0, n, chunk):
+                rows = slice(start, start + chunk)
                 z = F.linear(x[rows], w, b).float()
                 y = targets[rows]
                 real = y != PAD

@@ -1,0 +1,91 @@
+"""Every kernel choice that depends on the hardware, made here and nowhere else.
+
+Each choice is a small function or constant with one line saying what it chooses and the
+measured reason; the figures (timings, shapes, the CPU kinds they came from) are in
+BENCHMARKS.md, section "Kernel choices". The call sites (``nn/attention.py``, ``nn/loss.py``,
+``nn/dropout.py``, ``generate/packed.py``, ``precision.py``) look these names up here when
+they run, so patching a constant of this module changes what they do. CPU features are read
+through ``hardware.cpu_has``, so ``ATEN_CPU_CAPABILITY=avx2`` makes an AVX-512 machine choose
+as an AVX2-only one does. CPU kinds that were not measured keep torch's own choice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .hardware import cpu_has
+
+# --- attention (nn/attention.py) ---------------------------------------------------------
+
+
+def bf16_units_without_amx() -> bool:
+    """AVX512-BF16 without AMX: the CPU kind the short-key attention choice below was measured on."""
+    return cpu_has("_is_avx512_bf16_supported") and not cpu_has("_is_amx_tile_supported")
+
+
+# Unfused bf16 training attention up to this many keys: the fused bf16 backward is slower over short keys
+# on AVX512-BF16 without AMX (BENCHMARKS.md "Kernel choices").
+CPU_BF16_UNFUSED_MAX_KEYS = 128
+# Whether this CPU takes that choice: probed once, at import (a compiled graph guards on it as a constant).
+UNFUSED_SHORT_BF16 = bf16_units_without_amx()
+
+
+def unfused_attention(device: torch.device, dtype: torch.dtype, n_keys: int, dropout: float,
+                      grad: bool) -> bool:
+    """Unfused attention for CPU training with dropout (torch's leaves its fused kernel too, dearer mask) or
+    in bf16 over short keys where ``UNFUSED_SHORT_BF16`` (fused bf16 backward slower; BENCHMARKS.md)."""
+    return device.type == "cpu" and grad and (dropout > 0 or (
+        dtype == torch.bfloat16 and n_keys <= CPU_BF16_UNFUSED_MAX_KEYS and UNFUSED_SHORT_BF16))
+
+
+# --- the output head fused with the loss (nn/loss.py) ------------------------------------
+
+# Rows of logits the fused head and loss make at a time: 128 was faster than 64 and 256 (AVX512-BF16,
+# bf16; BENCHMARKS.md "Kernel choices").
+HEAD_LOSS_CHUNK_ROWS = 128
+# Fewest classes for which the head is fused with the loss: below it torch's one-piece loss is faster,
+# with AVX-512 and capped to AVX2 alike (BENCHMARKS.md "Kernel choices").
+FUSE_MIN_VOCAB = 1000
+
+
+def fuse_head_loss(head: nn.Module, h: torch.Tensor) -> bool:
+    """Fuse a plain, unsharded ``nn.Linear`` head of ``FUSE_MIN_VOCAB`` classes or more in eager mode (fewer
+    are faster in one piece: BENCHMARKS.md; LoRA, tensor parallelism and inductor score logits their way)."""
+    return (
+        type(head) is nn.Linear
+        and head.out_features >= FUSE_MIN_VOCAB
+        and not torch.compiler.is_compiling()
+        and not isinstance(h, DTensor)
+        and not isinstance(head.weight, DTensor)
+    )
+
+
+# --- dropout (nn/dropout.py) -------------------------------------------------------------
+
+
+def cheap_dropout(x: torch.Tensor) -> bool:
+    """The cheap 16-bit mask for a plain CPU tensor in eager mode: torch's per-element ``bernoulli_`` is
+    several times dearer on a CPU (BENCHMARKS.md); a DTensor and ``torch.compile`` keep their own masks."""
+    return type(x) is torch.Tensor and x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+# --- weights packed for decoding (generate/packed.py) ------------------------------------
+
+
+def packs_on_this_cpu(dtype: torch.dtype) -> bool:
+    """Pack bf16 weights on AVX512-BF16 or AMX, fp32 on AVX-512: about twice as fast at a decode step's few
+    rows (BENCHMARKS.md "Kernel choices"); AVX2-only CPUs were not measured and keep ``F.linear``."""
+    if dtype == torch.bfloat16:
+        return cpu_has("_is_avx512_bf16_supported") or cpu_has("_is_amx_tile_supported")
+    return dtype == torch.float32 and cpu_has("_is_avx512_supported")
+
+
+# --- precision "auto" (precision.py) -----------------------------------------------------
+
+
+def native_bf16_cpu() -> bool:
+    """``auto`` picks bf16 on a CPU with AMX or AVX512-BF16: elsewhere bf16 matmuls are emulated, many times
+    slower than fp32 (BENCHMARKS.md "Kernel choices")."""
+    return cpu_has("_is_amx_tile_supported") or cpu_has("_is_avx512_bf16_supported")

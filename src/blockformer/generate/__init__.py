@@ -2,7 +2,7 @@
 model); encoder-decoder greedy and beam search; streaming text. All decoding runs on the
 model's preallocated KV cache."""
 
-from .batching import pad_batch, positions_from_mask
+from .batching import PromptBatch, pad_batch, positions_from_mask, prepare_prompts
 from .beam import Hypothesis, beam_search, length_penalty
 from .causal import generate
 from .packed import PackedLinear, pack_linears
@@ -38,5 +38,7 @@ __all__ = [
     "top_p_filter",
     "pad_batch",
     "positions_from_mask",
+    "prepare_prompts",
+    "PromptBatch",
     "target_limits",
 ]

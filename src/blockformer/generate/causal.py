@@ -21,15 +21,17 @@ from torch import nn
 
 from ..config import ADDITIVE_POSITIONS
 from ..errors import UsageError
-from .batching import PAD_ID, pad_batch, positions_from_mask
-from .sampling import Sampling, _choose
 from ..models.checks import (
     check_callable, check_int, check_model, kind_of, check_seed, check_special_id, trusted_inputs,
 )
+from .batching import PAD_ID, PromptBatch, positions_from_mask, prepare_prompts
+from .sampling import Sampling
 from .step import decode_step, eval_mode, model_device, prepare_step
 
 OnToken = Callable[[int, int], None]  # (row, token id): called as each kept token is made
 StopFn = Callable[[int, list[int]], bool]  # (row, new ids so far) -> stop this row now
+
+MAX_NEW_TOKENS = 2**20  # beyond this a typo: the cache for it would not fit anyway
 
 
 def generate(
@@ -67,76 +69,91 @@ def generate(
     compiles the one-token step with ``torch.compile``.
     """
     sampling = Sampling(temperature, top_k, top_p, do_sample)
-    _check_count("max_new_tokens", max_new_tokens)
-    _check_count("min_new_tokens", min_new_tokens)
+    check_token_count("max_new_tokens", max_new_tokens)
+    check_token_count("min_new_tokens", min_new_tokens)
     if min_new_tokens > max_new_tokens:
         raise UsageError(f"min_new_tokens: {min_new_tokens} exceeds max_new_tokens={max_new_tokens}; expected at "
                          "most that")
     check_int(check_every, "check_every", 1)
     stop_sequences = check_decoding_args(model, eos_id, pad_id, seed, generator, on_token, stop, stop_sequences)
     device = model_device(model)
-    tokens, mask = _prompt_batch(prompts, attention_mask, pad_id, device)
-    _check_prompt_ids(model, tokens, mask)
-    N = max_new_tokens
-    window = _window(model, int(mask.sum(dim=1).max()) + N)
+    batch = prepare_prompts(prompts, attention_mask, pad_id=pad_id, vocab_size=vocab_size_of(model), device=device)
+    window = position_table_window(model, int(batch.lengths.max()) + max_new_tokens)
     if window is not None:  # fixed table: slide over the last `window` tokens, re-encoded each step
-        use_cache = False
-        tokens, mask = tokens[:, -window:], mask[:, -window:]
-        keep = mask.any(dim=0)  # columns where some row has a real token
-        tokens, mask = tokens[:, keep], mask[:, keep]
-    B, P = tokens.shape
+        batch, use_cache = _last_columns(batch, window), False
     if generator is None and seed is not None:
         generator = torch.Generator(device).manual_seed(seed)
-    if N == 0:
-        return [[] for _ in range(B)]
-    stop_tensors = [torch.as_tensor(list(s), dtype=torch.long, device=device) for s in stop_sequences if len(s)]
-    host = on_token is not None or stop is not None
-    can_stop = eos_id is not None or bool(stop_tensors) or stop is not None  # else: never sync early
-    host_ids: list[list[int]] = [[] for _ in range(B)]
-    cuts: dict[int, int] = {}  # row -> tokens kept, for rows a host callback stopped
-
+    if max_new_tokens == 0:
+        return [[] for _ in range(batch.tokens.shape[0])]
+    ending = _Ending(eos_id, stop_sequences, stop, on_token, min_new_tokens, batch.tokens.shape[0], device)
     with eval_mode(model), trusted_inputs():  # prompts checked above; inference tensors throughout
-        positions = positions_from_mask(mask)
-        next_pos = positions[:, -1:] + 1  # (B, 1)
-        out = torch.full((B, N), pad_id, dtype=torch.long, device=device)
-        done = torch.zeros(B, dtype=torch.bool, device=device)
-        eos_index = torch.tensor([eos_id if eos_id is not None else 0], device=device)
         if use_cache:
-            cache, step = prepare_step(model, decode_step, B, P + N, compile=compile, compile_mode=compile_mode)
-            logits = prefill(model, tokens, positions, mask, cache)
-            cache_pos = torch.tensor([P], device=device)  # (1,): the slot the next token fills
+            steps = _CachedSteps(model, batch, max_new_tokens, compile, compile_mode)
         else:
-            seq, seq_mask, seq_pos = tokens, mask, positions
-            logits = model(seq, attention_mask=seq_mask, positions=seq_pos)[:, -1]
-        for i in range(N):
-            if eos_id is not None and i < min_new_tokens:
-                logits = logits.index_fill(1, eos_index, float("-inf"))
-            was_done = done
-            tok = torch.where(done, pad_id, _choose(logits, sampling, generator))  # (B,)
-            out[:, i] = tok
-            if eos_id is not None:
-                done = done | (tok == eos_id)
-            for s in stop_tensors:
-                if len(s) <= i + 1:
-                    done = done | (out[:, i + 1 - len(s) : i + 1] == s).all(dim=1)
-            if host:
-                done = _host_callbacks(tok.tolist(), was_done.tolist(), eos_id, host_ids, cuts, i, on_token, stop, done)
-            if i == N - 1 or can_stop and ((i + 1) % check_every == 0 or host) and bool(done.all()):
-                break
-            if use_cache:
-                logits = step(model, tok[:, None], next_pos, cache, cache_pos)
-                cache_pos = cache_pos + 1
-            else:
-                seq = torch.cat([seq, tok[:, None]], dim=1)
-                seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], dim=1)
-                if window is not None and seq.shape[1] > window:
-                    seq, seq_mask = seq[:, -window:], seq_mask[:, -window:]
-                    seq_pos = positions_from_mask(seq_mask)  # the window starts again at position 0
-                else:
-                    seq_pos = torch.cat([seq_pos, next_pos], dim=1)
-                logits = model(seq, attention_mask=seq_mask, positions=seq_pos)[:, -1]
-            next_pos = next_pos + 1
-    return _trim(out.tolist(), eos_id, stop_sequences, cuts)
+            steps = _RecomputedSteps(model, batch, window)
+        out = _decode(steps, max_new_tokens, sampling, generator, ending, pad_id, check_every)
+    return _trim(out.tolist(), eos_id, stop_sequences, ending.cuts)
+
+
+def _decode(steps, N: int, sampling: Sampling, generator, ending: _Ending, pad_id: int, check_every: int):
+    """The loop: choose a token per row, see which rows ended, feed the tokens back.
+    Returns the (B, N) tokens made, ``pad_id`` after a row ended."""
+    logits = steps.logits
+    B, device = logits.shape[0], logits.device
+    out = torch.full((B, N), pad_id, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    for i in range(N):
+        logits = ending.block_eos(logits, i)
+        tok = torch.where(done, pad_id, sampling.choose(logits, generator))  # (B,)
+        out[:, i] = tok
+        done = ending.update(done, tok, out, i)
+        if i == N - 1 or ending.possible and ((i + 1) % check_every == 0 or ending.host) and bool(done.all()):
+            break
+        logits = steps.advance(tok)
+    return out
+
+
+class _CachedSteps:
+    """Prefill once, then one token per step into a cache of ``prompt + N`` slots."""
+
+    def __init__(self, model: nn.Module, batch: PromptBatch, N: int, compile: bool, compile_mode: str | None):
+        B, P = batch.tokens.shape
+        positions = batch.positions
+        self.model = model
+        self.cache, self.step = prepare_step(model, decode_step, B, P + N, compile=compile, compile_mode=compile_mode)
+        self.logits = prefill(model, batch.tokens, positions, batch.mask, self.cache)  # (B, V)
+        self.cache_pos = torch.tensor([P], device=batch.tokens.device)  # (1,): the slot the next token fills
+        self.next_pos = positions[:, -1:] + 1  # (B, 1)
+
+    def advance(self, tok: torch.Tensor) -> torch.Tensor:
+        logits = self.step(self.model, tok[:, None], self.next_pos, self.cache, self.cache_pos)
+        self.cache_pos, self.next_pos = self.cache_pos + 1, self.next_pos + 1
+        return logits
+
+
+class _RecomputedSteps:
+    """No cache: each step re-encodes the whole sequence, or only its last ``window``
+    tokens (their positions counted again from 0)."""
+
+    def __init__(self, model: nn.Module, batch: PromptBatch, window: int | None):
+        self.model, self.window = model, window
+        self.seq, self.mask, self.pos = batch.tokens, batch.mask, batch.positions
+        self.next_pos = self.pos[:, -1:] + 1  # (B, 1)
+        self.logits = self._forward()
+
+    def _forward(self) -> torch.Tensor:
+        return self.model(self.seq, attention_mask=self.mask, positions=self.pos)[:, -1]
+
+    def advance(self, tok: torch.Tensor) -> torch.Tensor:
+        self.seq = torch.cat([self.seq, tok[:, None]], dim=1)
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        if self.window is not None and self.seq.shape[1] > self.window:
+            self.seq, self.mask = self.seq[:, -self.window :], self.mask[:, -self.window :]
+            self.pos = positions_from_mask(self.mask)  # the window starts again at position 0
+        else:
+            self.pos = torch.cat([self.pos, self.next_pos], dim=1)
+        self.next_pos = self.next_pos + 1
+        return self._forward()
 
 
 def prefill(
@@ -156,23 +173,53 @@ def prefill(
     return logits[:, -1]
 
 
-def _host_callbacks(tokens, was_done, eos_id, host_ids, cuts, i, on_token, stop, done) -> torch.Tensor:
-    """Stream this step's tokens of the rows still running and ask ``stop``; one host
-    sync per step."""
-    stopped = []
-    for row, t in enumerate(tokens):
-        if was_done[row] or t == eos_id:
-            continue
-        host_ids[row].append(t)
-        if on_token is not None:
-            on_token(row, t)
-        if stop is not None and stop(row, host_ids[row]):
-            cuts[row] = i + 1
-            stopped.append(row)
-    if stopped:
-        done = done.clone()
-        done[stopped] = True
-    return done
+class _Ending:
+    """When each row ends: at ``eos_id``, after one of the stop sequences, or when a host
+    callback says so (``cuts``: row -> tokens kept, for those)."""
+
+    def __init__(self, eos_id, stop_sequences, stop, on_token, min_new_tokens: int, batch_size: int, device):
+        self.eos_id, self.stop, self.on_token, self.min_new_tokens = eos_id, stop, on_token, min_new_tokens
+        self.eos_index = torch.tensor([eos_id if eos_id is not None else 0], device=device)
+        self.sequences = [torch.as_tensor(s, dtype=torch.long, device=device) for s in stop_sequences if len(s)]
+        self.host = on_token is not None or stop is not None  # a callback needs the tokens every step
+        self.possible = eos_id is not None or bool(self.sequences) or stop is not None  # else: never sync early
+        self.host_ids: list[list[int]] = [[] for _ in range(batch_size)]
+        self.cuts: dict[int, int] = {}
+
+    def block_eos(self, logits: torch.Tensor, i: int) -> torch.Tensor:
+        if self.eos_id is not None and i < self.min_new_tokens:
+            return logits.index_fill(1, self.eos_index, float("-inf"))
+        return logits
+
+    def update(self, done: torch.Tensor, tok: torch.Tensor, out: torch.Tensor, i: int) -> torch.Tensor:
+        """``done`` after step ``i`` wrote ``tok`` (B,) into ``out[:, i]``."""
+        was_done = done
+        if self.eos_id is not None:
+            done = done | (tok == self.eos_id)
+        for s in self.sequences:
+            if len(s) <= i + 1:
+                done = done | (out[:, i + 1 - len(s) : i + 1] == s).all(dim=1)
+        if self.host:
+            done = self._callbacks(tok.tolist(), was_done.tolist(), i, done)
+        return done
+
+    def _callbacks(self, tokens: list[int], was_done: list[bool], i: int, done: torch.Tensor) -> torch.Tensor:
+        """Stream this step's tokens of the rows still running and ask ``stop``; one host
+        sync per step."""
+        stopped = []
+        for row, t in enumerate(tokens):
+            if was_done[row] or t == self.eos_id:
+                continue
+            self.host_ids[row].append(t)
+            if self.on_token is not None:
+                self.on_token(row, t)
+            if self.stop is not None and self.stop(row, self.host_ids[row]):
+                self.cuts[row] = i + 1
+                stopped.append(row)
+        if stopped:
+            done = done.clone()
+            done[stopped] = True
+        return done
 
 
 def _trim(rows: list[list[int]], eos_id, stop_sequences, cuts: dict[int, int]) -> list[list[int]]:
@@ -225,38 +272,20 @@ def check_decoding_args(
     return out
 
 
-def _prompt_batch(prompts, attention_mask, pad_id, device) -> tuple[torch.Tensor, torch.Tensor]:
-    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"attention_mask: {kind_of(attention_mask)}; expected a bool tensor (batch, length)")
-    if not isinstance(prompts, torch.Tensor):
-        if attention_mask is not None:
-            raise UsageError("attention_mask: only with a tensor of prompts; lists are padded here")
-        return pad_batch(prompts, left=True, pad_id=pad_id, device=device)
-    if prompts.dtype == torch.bool or prompts.is_floating_point() or prompts.is_complex():
-        raise UsageError(f"prompts: dtype {prompts.dtype}; expected integer token ids (torch.long)")
-    if prompts.dim() != 2 or prompts.shape[1] == 0:
-        raise UsageError(f"prompts: shape {tuple(prompts.shape)}; expected a (batch, length) tensor, length >= 1")
-    tokens = prompts.to(device=device, dtype=torch.long)
-    if attention_mask is None:
-        return tokens, torch.ones_like(tokens, dtype=torch.bool)
-    mask = attention_mask.to(device=device, dtype=torch.bool)
-    if mask.shape != tokens.shape:
-        raise UsageError(f"attention_mask: shape {tuple(mask.shape)}; expected {tuple(tokens.shape)} like prompts")
-    if not bool((mask[:, 1:] >= mask[:, :-1]).all()) or not bool(mask[:, -1].all()):
-        raise UsageError("attention_mask: expected left padding (False then True in each row, >= 1 real token)")
-    return tokens, mask
-
-
-MAX_NEW_TOKENS = 2**20  # beyond this a typo: the cache for it would not fit anyway
-
-
-def _check_count(name: str, value: int) -> None:
+def check_token_count(name: str, value: int) -> None:
+    """A number of tokens to generate: an integer in ``[0, MAX_NEW_TOKENS]``."""
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_NEW_TOKENS:
         raise UsageError(f"{name}: {value!r}; expected an integer in [0, {MAX_NEW_TOKENS}]")
 
 
-def _window(model: nn.Module, length: int) -> int | None:
-    """The sliding window for ``length`` tokens: ``max_seq_len`` when a fixed position table
+def vocab_size_of(model: nn.Module) -> int | None:
+    """The model's vocabulary size; None for a model without a config (a test double)."""
+    cfg = getattr(model, "cfg", None)
+    return cfg.vocab_size if cfg is not None else None
+
+
+def position_table_window(model: nn.Module, length: int) -> int | None:
+    """The sliding window ``length`` tokens need: ``max_seq_len`` when a fixed position table
     (learned, sinusoidal) would end before them; None when everything fits or the scheme
     has no table (rope, alibi, relative, none continue past it)."""
     cfg = getattr(model, "cfg", None)
@@ -265,13 +294,9 @@ def _window(model: nn.Module, length: int) -> int | None:
     return None
 
 
-def _check_prompt_ids(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> None:
-    """Once per call: every real prompt token is an id the model knows."""
-    cfg = getattr(model, "cfg", None)
-    real = tokens[mask]
-    if cfg is None or real.numel() == 0:
-        return
-    low, high = (int(v) for v in torch.aminmax(real))
-    if low < 0 or high >= cfg.vocab_size:
-        raise UsageError(f"prompts: id {low if low < 0 else high} is outside [0, {cfg.vocab_size}); expected "
-                         f"ids the model knows (below vocab_size={cfg.vocab_size})")
+def _last_columns(batch: PromptBatch, window: int) -> PromptBatch:
+    """The last ``window`` columns of a left-padded batch, less those that are padding in
+    every row."""
+    tokens, mask = batch.tokens[:, -window:], batch.mask[:, -window:]
+    keep = mask.any(dim=0)  # columns where some row has a real token
+    return PromptBatch(tokens[:, keep], mask[:, keep])

@@ -45,6 +45,27 @@ class Sampling:
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0
 
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """``process_logits`` without its checks (these fields were checked when made):
+        what a decode loop calls each step."""
+        logits = logits.float()
+        if self.greedy:
+            return logits
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        if self.top_k is not None:
+            logits = _top_k(logits, self.top_k)
+        if self.top_p is not None:
+            logits = _top_p(logits, self.top_p)
+        return logits
+
+    def choose(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``choose`` without its checks: next tokens (B,) from logits (B, V), each step."""
+        logits = self.process(logits)
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        return sample(logits.softmax(dim=-1), generator)
+
 
 def _check_p(p: object, name: str) -> None:
     if not 0.0 < check_real(p, name) <= 1.0:  # also refuses NaN
@@ -97,26 +118,12 @@ def process_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Temperature, then top-k, then top-p, on float32 logits (B, V)."""
     _check_logits(logits)
     _check_sampling(sampling)
-    return _process(logits, sampling)
+    return sampling.process(logits)
 
 
 def _check_sampling(sampling: object) -> None:
     if not isinstance(sampling, Sampling):
         raise TypeError(f"sampling: {kind_of(sampling)}; expected a Sampling(temperature, top_k, top_p, do_sample)")
-
-
-def _process(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """``process_logits`` without its checks: what a decode loop calls each step."""
-    logits = logits.float()
-    if sampling.greedy:
-        return logits
-    if sampling.temperature != 1.0:
-        logits = logits / sampling.temperature
-    if sampling.top_k is not None:
-        logits = _top_k(logits, sampling.top_k)
-    if sampling.top_p is not None:
-        logits = _top_p(logits, sampling.top_p)
-    return logits
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -140,12 +147,4 @@ def choose(
     """Next tokens (B,) from next-token logits (B, V)."""
     _check_logits(logits)
     _check_sampling(sampling)
-    return _choose(logits, sampling, generator)
-
-
-def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``choose`` without its checks: what a decode loop calls each step."""
-    logits = _process(logits, sampling)
-    if sampling.greedy:
-        return logits.argmax(dim=-1)
-    return sample(logits.softmax(dim=-1), generator)
+    return sampling.choose(logits, generator)

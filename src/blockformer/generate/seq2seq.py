@@ -16,7 +16,7 @@ from torch import nn
 from ..config import ADDITIVE_POSITIONS
 from ..errors import UsageError
 from ..models.checks import check_int, check_model, check_special_id, kind_of, trusted_inputs
-from .batching import BOS_ID, EOS_ID, PAD_ID, pad_batch
+from .batching import BOS_ID, EOS_ID, PAD_ID, prepare_prompts
 from .step import eval_mode, model_device, prepare_step, seq2seq_step
 
 EXTRA_TARGET_LEN = 50  # default limit: source length + 50 (as in Vaswani et al. 2017)
@@ -64,16 +64,11 @@ def source_batch(
             raise UsageError(f"src: expected a float tensor of {model.cfg.input} for this model's encoder")
         src = src.to(device)
         return src, (adapter.default_mask(src) if src_mask is None else src_mask.to(device=device, dtype=torch.bool))
-    if not isinstance(src, torch.Tensor):
-        return pad_batch(src, left=False, name="sources", device=device)
-    if src.dim() != 2 or src.shape[1] == 0:
-        raise UsageError(f"src: shape {tuple(src.shape)}; expected a (batch, length) tensor, length >= 1")
-    src = src.to(device=device, dtype=torch.long)
-    if src_mask is None:
-        return src, torch.ones_like(src, dtype=torch.bool)
-    if src_mask.shape != src.shape:
-        raise UsageError(f"src_mask: shape {tuple(src_mask.shape)}; expected {tuple(src.shape)} like src")
-    return src, src_mask.to(device=device, dtype=torch.bool)
+    if isinstance(src, torch.Tensor):
+        batch = prepare_prompts(src, src_mask, left=False, device=device, name="src", mask_name="src_mask")
+    else:  # id lists are padded here (a src_mask given with them is not read)
+        batch = prepare_prompts(src, left=False, device=device, name="sources")
+    return batch.tokens, batch.mask  # the encoder checks the ids against its vocabulary
 
 
 def memory_mask(model: nn.Module, src_mask: torch.Tensor) -> torch.Tensor:

@@ -29,9 +29,9 @@ from torch import nn
 
 from ..errors import UsageError
 from ..models.checks import check_model
-from .batching import PAD_ID
-from .causal import OnToken, StopFn, _check_count, _check_prompt_ids, _prompt_batch, _window, check_decoding_args
-from .sampling import Sampling, _process, sample
+from .batching import PAD_ID, PromptBatch, prepare_prompts
+from .causal import OnToken, StopFn, check_decoding_args, check_token_count, position_table_window, vocab_size_of
+from .sampling import Sampling, sample
 from .step import cache_dtype, eval_mode, model_device
 
 
@@ -72,10 +72,27 @@ def speculative_generate(
     ``num_draft`` at a time by ``draft`` (same vocabulary). Arguments as in ``generate``;
     the result carries the tokens and the draft's acceptance rate."""
     sampling = Sampling(temperature, top_k, top_p, do_sample)
-    _check_count("max_new_tokens", max_new_tokens)
+    check_token_count("max_new_tokens", max_new_tokens)
     if not isinstance(num_draft, int) or num_draft < 1:
         raise UsageError(f"num_draft: {num_draft!r}; expected an integer >= 1")
     check_decoding_args(target, eos_id, pad_id, seed, generator, on_token, stop, name="target")
+    device = _check_draft(target, draft)
+    batch = prepare_prompts(prompts, attention_mask, pad_id=pad_id, vocab_size=vocab_size_of(target), device=device)
+    _check_fits_the_caches(target, draft, int(batch.lengths.max()) + max_new_tokens)
+    if generator is None and seed is not None:
+        generator = torch.Generator(device).manual_seed(seed)
+    stats = SpeculativeOutput([[] for _ in range(batch.tokens.shape[0])], 0, 0, 0)
+    if max_new_tokens == 0:
+        return stats
+    with eval_mode(target), eval_mode(draft):
+        pair = _Pair(target, draft, batch, max_new_tokens)
+        stats.target_calls += pair.prefill(batch)
+        _rounds(pair, max_new_tokens, num_draft, sampling, generator, stats, eos_id, on_token, stop)
+    return stats
+
+
+def _check_draft(target: nn.Module, draft: nn.Module) -> torch.device:
+    """A decoder with the target's vocabulary, on the target's device (returned)."""
     check_model(draft, "draft", arch="decoder")
     t_vocab, d_vocab = _vocab(target), _vocab(draft)
     if t_vocab != d_vocab:
@@ -83,78 +100,97 @@ def speculative_generate(
     device = model_device(target)
     if model_device(draft) != device:
         raise UsageError(f"draft: on {model_device(draft)}; expected the target's device {device}")
-    tokens, mask = _prompt_batch(prompts, attention_mask, pad_id, device)
-    B, P = tokens.shape
-    N = max_new_tokens
-    _check_prompt_ids(target, tokens, mask)
-    longest = int(mask.sum(dim=1).max()) + N
+    return device
+
+
+def _check_fits_the_caches(target: nn.Module, draft: nn.Module, longest: int) -> None:
     for name, model in (("model", target), ("draft", draft)):
-        if _window(model, longest) is not None:  # plain generate slides a window; this needs the cache
+        if position_table_window(model, longest) is not None:  # plain generate slides a window; this needs the cache
             raise UsageError(
                 f"max_new_tokens: prompt + new tokens = {longest} exceeds the {name}'s max_seq_len="
                 f"{model.cfg.max_seq_len} ({model.cfg.position} positions); expected at most that for "
                 "speculative decoding"
             )
-    if generator is None and seed is not None:
-        generator = torch.Generator(device).manual_seed(seed)
-    out: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
-    stats = SpeculativeOutput(out, 0, 0, 0)
-    if N == 0:
-        return stats
 
-    with eval_mode(target), eval_mode(draft):
-        offset = (P - mask.sum(dim=1))[:, None]  # (B, 1): left padding of each row
-        t_cache = target.new_cache(B, P + N, device=device, dtype=cache_dtype(target))
-        d_cache = draft.new_cache(B, P + N, device=device, dtype=cache_dtype(draft))
 
-        def run(model, cache, toks, start: int, prompt_mask=None) -> torch.Tensor:
-            """Logits (B, T, V) of ``toks`` (B, T) written into slots ``start ..``."""
-            slots = torch.arange(start, start + toks.shape[1], device=device)
-            positions = (slots[None, :] - offset).clamp(min=0)
-            return model(toks, positions=positions, attention_mask=prompt_mask, cache=cache, cache_pos=slots)
+class _Pair:
+    """Both models' caches and where each stands: ``last`` (B, 1) is committed but in neither
+    cache yet (it goes to slot ``pos``); the draft still has to write ``pending`` from slot
+    ``d_start`` on (1 token, or 2 after a round that kept every proposal)."""
 
-        # Prefill both with all but the last prompt token; that one opens the first round.
-        if P > 1:
-            run(target, t_cache, tokens[:, :-1], 0, mask[:, :-1])
-            run(draft, d_cache, tokens[:, :-1], 0, mask[:, :-1])
-            stats.target_calls += 1
-        last = tokens[:, -1:]  # (B, 1): committed, not yet in either cache
-        pos = P - 1  # its slot
-        d_pending, d_start = last, pos  # the draft's unwritten tokens (1, or 2 after a full accept)
-        emitted = 0
-        while emitted < N:
-            k = min(num_draft, N - emitted - 1)  # never run past the caches or max_new_tokens
-            proposals, q = [], []
-            for j in range(k):
-                logits = run(draft, d_cache, d_pending, d_start)[:, -1]
-                q_j = _probs(logits, sampling)
-                x = q_j.argmax(dim=-1) if sampling.greedy else sample(q_j, generator)
-                proposals.append(x)
-                q.append(q_j)
-                d_start += d_pending.shape[1]
-                d_pending = x[:, None]
-            draft_ids = torch.stack(proposals, dim=1) if k else last[:, :0]  # (B, k)
-            checked = torch.cat([last, draft_ids], dim=1)  # (B, k+1): the target scores them at once
-            p = _probs(run(target, t_cache, checked, pos), sampling)  # (B, k+1, V)
-            stats.target_calls += 1
-            q_all = torch.stack(q, dim=1) if k else p[:, :0]
-            n_row, nxt = speculative_accept(p, q_all, draft_ids, greedy=sampling.greedy, generator=generator)
-            n = int(n_row.min())  # one sync per round: every row commits n proposals, then one token
-            live = sum(not d for d in done)
-            stats.proposed += k * live
-            stats.accepted += sum(min(int(a), k) for a, d in zip(n_row.tolist(), done) if not d)
-            new = torch.cat([draft_ids[:, :n], nxt[:, None]], dim=1)  # (B, n+1)
-            _commit(new.tolist(), out, done, N - emitted, eos_id, on_token, stop)
-            emitted += n + 1
-            if all(done):
-                break
-            if n == k:  # the draft never saw its own last proposal: it goes in with the new token
-                d_pending = torch.cat([draft_ids[:, k - 1 :] if k else d_pending, nxt[:, None]], dim=1)
-            else:
-                d_pending, d_start = nxt[:, None], pos + n + 1
-            last, pos = nxt[:, None], pos + n + 1
-    return stats
+    def __init__(self, target: nn.Module, draft: nn.Module, batch: PromptBatch, max_new_tokens: int) -> None:
+        B, P = batch.tokens.shape
+        device = batch.tokens.device
+        self.target, self.draft = target, draft
+        self.offset = (P - batch.lengths)[:, None]  # (B, 1): left padding of each row
+        self.t_cache = target.new_cache(B, P + max_new_tokens, device=device, dtype=cache_dtype(target))
+        self.d_cache = draft.new_cache(B, P + max_new_tokens, device=device, dtype=cache_dtype(draft))
+        self.last, self.pos = batch.tokens[:, -1:], P - 1
+        self.pending, self.d_start = self.last, self.pos
+
+    def run(self, model: nn.Module, cache, toks: torch.Tensor, start: int, prompt_mask=None) -> torch.Tensor:
+        """Logits (B, T, V) of ``toks`` (B, T) written into slots ``start ..``."""
+        slots = torch.arange(start, start + toks.shape[1], device=toks.device)
+        positions = (slots[None, :] - self.offset).clamp(min=0)
+        return model(toks, positions=positions, attention_mask=prompt_mask, cache=cache, cache_pos=slots)
+
+    def prefill(self, batch: PromptBatch) -> int:
+        """Both caches take all but the last prompt token (that one opens the first round);
+        the target calls this made."""
+        if batch.tokens.shape[1] == 1:
+            return 0
+        self.run(self.target, self.t_cache, batch.tokens[:, :-1], 0, batch.mask[:, :-1])
+        self.run(self.draft, self.d_cache, batch.tokens[:, :-1], 0, batch.mask[:, :-1])
+        return 1
+
+    def propose(self, k: int, sampling: Sampling, generator) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``k`` draft tokens (B, k), one draft call each, and the draft's probabilities."""
+        proposals, q = [], []
+        for _ in range(k):
+            q_j = _probs(self.run(self.draft, self.d_cache, self.pending, self.d_start)[:, -1], sampling)
+            x = q_j.argmax(dim=-1) if sampling.greedy else sample(q_j, generator)
+            proposals.append(x)
+            q.append(q_j)
+            self.d_start += self.pending.shape[1]
+            self.pending = x[:, None]
+        return (torch.stack(proposals, dim=1) if k else self.last[:, :0]), q
+
+    def verify(self, draft_ids: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+        """The target's probabilities (B, k+1, V) at ``last`` and each proposal, in one call."""
+        checked = torch.cat([self.last, draft_ids], dim=1)
+        return _probs(self.run(self.target, self.t_cache, checked, self.pos), sampling)
+
+    def advance(self, n: int, draft_ids: torch.Tensor, nxt: torch.Tensor) -> None:
+        """Commit ``n`` proposals and then ``nxt`` (B,); rejected slots are simply rewritten."""
+        k = draft_ids.shape[1]
+        if n == k:  # the draft never saw its own last proposal: it goes in with the new token
+            self.pending = torch.cat([draft_ids[:, k - 1 :] if k else self.pending, nxt[:, None]], dim=1)
+        else:
+            self.pending, self.d_start = nxt[:, None], self.pos + n + 1
+        self.last, self.pos = nxt[:, None], self.pos + n + 1
+
+
+def _rounds(pair: _Pair, N: int, num_draft: int, sampling, generator, stats, eos_id, on_token, stop) -> None:
+    """Draft, verify, commit, until every row ended or made ``N`` tokens."""
+    out = stats.tokens
+    done = [False] * len(out)
+    emitted = 0
+    while emitted < N:
+        k = min(num_draft, N - emitted - 1)  # never run past the caches or max_new_tokens
+        draft_ids, q = pair.propose(k, sampling, generator)
+        p = pair.verify(draft_ids, sampling)  # (B, k+1, V)
+        stats.target_calls += 1
+        q_all = torch.stack(q, dim=1) if k else p[:, :0]
+        n_row, nxt = speculative_accept(p, q_all, draft_ids, greedy=sampling.greedy, generator=generator)
+        n = int(n_row.min())  # one sync per round: every row commits n proposals, then one token
+        stats.proposed += k * sum(not d for d in done)
+        stats.accepted += sum(min(int(a), k) for a, d in zip(n_row.tolist(), done) if not d)
+        new = torch.cat([draft_ids[:, :n], nxt[:, None]], dim=1)  # (B, n+1)
+        _commit(new.tolist(), out, done, N - emitted, eos_id, on_token, stop)
+        emitted += n + 1
+        if all(done):
+            break
+        pair.advance(n, draft_ids, nxt)
 
 
 def speculative_accept(
@@ -202,7 +238,7 @@ def _probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Probabilities after temperature / top-k / top-p, over the last dim (float32).
     Greedy keeps the processed logits: only their argmax is read."""
     shape = logits.shape
-    flat = _process(logits.reshape(-1, shape[-1]), sampling)
+    flat = sampling.process(logits.reshape(-1, shape[-1]))
     return (flat if sampling.greedy else flat.softmax(dim=-1)).reshape(shape)
 
 

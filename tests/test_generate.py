@@ -230,17 +230,15 @@ def test_compiled_step_gives_the_same_tokens_and_compiles_once():
 @pytest.mark.slow
 def test_cuda_graph_mode_reuses_one_static_cache_per_model():
     # On CPU the CUDA graph itself is skipped, but the static-cache bookkeeping runs.
-    from blockformer.generate import step
-
     model = make("alibi")
     eager = generate(model, PROMPTS, 12, temperature=0)
     fast = dict(temperature=0, compile=True, compile_mode="reduce-overhead")
     assert generate(model, PROMPTS, 12, **fast) == eager
-    cache = step._STATIC_CACHES[model]
+    cache = model.static_decode_cache
     assert generate(model, [[3, 4]], 12, **fast) == generate(model, [[3, 4]], 12, temperature=0)
-    assert step._STATIC_CACHES[model] is not cache  # another shape: another cache
+    assert model.static_decode_cache is not cache  # another shape: another cache
     assert generate(model, PROMPTS[::-1], 12, **fast) == eager[::-1]
-    cache = step._STATIC_CACHES[model]
+    cache = model.static_decode_cache
     assert cache.valid.shape == (3, 6 + 12)
     assert generate(model, PROMPTS, 12, **fast) == eager
-    assert step._STATIC_CACHES[model] is cache  # the same shape: the same tensors, reused
+    assert model.static_decode_cache is cache  # the same shape: the same tensors, reused

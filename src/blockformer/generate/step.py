@@ -9,7 +9,6 @@ cache tensors. ``torch.compile`` therefore captures it once and replays it for e
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -40,7 +39,7 @@ def seq2seq_step(
 
 
 _COMPILED: dict[tuple[str, str | None], StepFn] = {}
-_STATIC_CACHES: weakref.WeakKeyDictionary[nn.Module, KVCache] = weakref.WeakKeyDictionary()
+STATIC_CACHE = "static_decode_cache"  # the attribute of a model that holds its static cache
 
 
 def prepare_step(
@@ -74,16 +73,16 @@ def compiled(step: StepFn, mode: str | None = None) -> StepFn:
 def static_cache(
     model: nn.Module, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype
 ) -> KVCache:
-    """One cache per model, reused while its shape fits, with its tensors marked static:
-    a CUDA graph replays on fixed addresses, and a new cache would force a re-record.
-    Reuse is safe because each slot is rewritten before any query can see it (a query
-    attends only to slots up to its own)."""
-    cache = _STATIC_CACHES.get(model)
+    """One cache per model, kept on it (``model.static_decode_cache``) and reused while its
+    shape fits, with its tensors marked static: a CUDA graph replays on fixed addresses, and
+    a new cache would force a re-record. Reuse is safe because each slot is rewritten before
+    any query can see it (a query attends only to slots up to its own)."""
+    cache = getattr(model, STATIC_CACHE, None)
     if cache is None or cache.valid.shape != (batch_size, max_len) or cache.dtype != dtype:
         cache = model.new_cache(batch_size, max_len, device=device, dtype=dtype)
         for t in [*cache.k, *cache.v, cache.valid, cache.pos]:
             torch._dynamo.mark_static_address(t)
-        _STATIC_CACHES[model] = cache
+        setattr(model, STATIC_CACHE, cache)  # a plain attribute: not a submodule, not in the state dict
     cache.valid.zero_()
     cache.written = 0
     cache.cross_k = [None] * len(cache.cross_k)

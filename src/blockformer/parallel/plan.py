@@ -45,7 +45,7 @@ from ..config import TransformerConfig
 from ..models import build_model
 from ..nn.attention import Attention
 from ..nn.feedforward import FeedForward
-from ..run_config import RunConfig
+from ..run_config import ParallelConfig, RunConfig, TrainConfig
 from ..stats import EXACT_LAYERS
 
 from .mesh import Degrees, resolve_degrees
@@ -117,6 +117,119 @@ def count_at_depth(m: TransformerConfig) -> Counts:
                                cross=tile(c.cross))
 
 
+@dataclass
+class _Pipeline:
+    """How a batch and the blocks spread over the pipeline, seen from its heaviest rank."""
+
+    n_stages: int
+    n_micro: int  # micro-batches per batch in the pipeline
+    b_dp: float  # rows per data-parallel rank per micro-batch
+    b: float  # rows per pipeline micro-batch
+    bounds: list[tuple[int, int]]  # per stage: its blocks [lo, hi)
+    worst: int  # the pipeline rank holding the most parameters
+    stages: list[int]  # that rank's stages
+    P: float  # that rank's parameters after TP and PP
+
+    @property
+    def layers(self) -> int:
+        return sum(self.bounds[st][1] - self.bounds[st][0] for st in self.stages)
+
+    @property
+    def blocks(self) -> list[int]:
+        return [i for st in self.stages for i in range(*self.bounds[st])]
+
+    @property
+    def has_head(self) -> bool:
+        return (self.n_stages - 1) in self.stages
+
+
+def _params_of(c: Counts, tp: int, bounds: list[tuple[int, int]], n_stages: int, stages: list[int]) -> float:
+    """Parameters of one pipeline rank holding ``stages``, after the TP split."""
+    total = 0.0
+    for st in stages:
+        lo, hi = bounds[st]
+        total += sum(c.block_split[lo:hi]) / tp + sum(c.block_replicated[lo:hi])
+        if st == 0:
+            total += c.first / tp
+        if st == n_stages - 1:
+            total += c.last_split / tp + c.last_replicated
+    return total
+
+
+def _pipeline(c: Counts, d: Degrees, pc: ParallelConfig, B: int) -> _Pipeline:
+    b_dp = B / d.dp  # rows per data-parallel rank per micro-batch
+    n_stages = d.pp * (STAGES_PER_RANK[pc.pp_schedule] if d.pp > 1 else 1)
+    n_micro = (pc.pp_microbatches or 2 * d.pp) if d.pp > 1 else 1
+    layers = len(c.block_split)
+    bounds = stage_bounds(layers, n_stages) if d.pp > 1 else [(0, layers)]
+    rank_stages = [list(range(r, n_stages, d.pp)) for r in range(d.pp)]
+    per_rank = [_params_of(c, d.tp, bounds, n_stages, st) for st in rank_stages]
+    worst = max(range(d.pp), key=lambda r: per_rank[r])
+    return _Pipeline(n_stages, n_micro, b_dp, b_dp / n_micro, bounds, worst, rank_stages[worst], per_rank[worst])
+
+
+def _activations(m: TransformerConfig, tc: TrainConfig, pc: ParallelConfig, d: Degrees, pl: _Pipeline,
+                 s: int, e: int) -> float:
+    """Activation bytes the heaviest rank keeps: its blocks' (as checkpointing leaves them) for
+    each micro-batch in flight, and the logits where it holds the head."""
+    b, layers_here = pl.b, pl.layers
+    h, a, V = m.d_model, m.n_heads, m.vocab_size
+    scores = m.position in ("alibi", "relative") or m.attention_dropout > 0
+    per_block = e / 2 * s * b * h * (10 + 24 / d.tp + (5 * a * s / (h * d.tp) if scores else 0))
+    if tc.activation_checkpointing == "full":
+        kept = e * s * b * h * layers_here + per_block
+    elif tc.activation_checkpointing == "selective":
+        kept = e / 2 * s * b * h * (10 + 24 / d.tp) * layers_here
+    else:
+        kept = per_block * layers_here
+    in_flight = 1 if d.pp == 1 else (pl.n_micro if pc.pp_schedule == "gpipe" else min(d.pp, pl.n_micro))
+    logits = 8 * s * b * V if pl.has_head else 0.0
+    return kept * in_flight + logits
+
+
+def _memory(m: TransformerConfig, tc: TrainConfig, pc: ParallelConfig, c: Counts, d: Degrees, pl: _Pipeline,
+            s: int, e: int, fsdp: bool) -> dict[str, float]:
+    P, shard = pl.P, d.dp_shard
+    biggest_block = max(sp / d.tp + rp for sp, rp in zip(c.block_split, c.block_replicated))
+    memory = {
+        "weights": 4 * P / shard,
+        "gradients": 4 * P / shard,
+        "optimizer": 8 * P / shard,
+        "gathered_weights": 2 * biggest_block * e if fsdp else 0.0,
+        "activations": _activations(m, tc, pc, d, pl, s, e),
+    }
+    memory["total"] = sum(memory.values())
+    return memory
+
+
+def _ring(n: int) -> float:
+    """The share of a buffer each rank sends in a ring all-gather or reduce-scatter of ``n``."""
+    return (n - 1) / n
+
+
+def _communication(m: TransformerConfig, tc: TrainConfig, c: Counts, d: Degrees, pl: _Pipeline,
+                   s: int, e: int, fsdp: bool) -> dict[str, float]:
+    """Bytes the heaviest rank sends per optimizer step, by collective (the zero ones left out)."""
+    P, shard, b_dp, accum = pl.P, d.dp_shard, pl.b_dp, tc.grad_accum
+    h, V = m.d_model, m.vocab_size
+    comm = {}
+    if fsdp:
+        comm["fsdp_all_gather"] = 2 * P * e * _ring(shard) * accum if shard > 1 else 0.0
+        comm["fsdp_reduce_scatter"] = 4 * P * _ring(shard) * accum if shard > 1 else 0.0
+        comm["hsdp_all_reduce"] = 2 * 4 * (P / shard) * _ring(d.dp_replicate) * accum
+    elif d.dp_replicate > 1:
+        comm["ddp_all_reduce"] = 2 * 4 * P * _ring(d.dp_replicate) * accum
+    if d.tp > 1:  # 2 all-reduces per sublayer (forward, backward), 1 forward for the embedding
+        n_reduce = sum(2 * (3 if c.cross[i] else 2) for i in pl.blocks) + (1 if 0 in pl.stages else 0)
+        comm["tp_all_reduce"] = n_reduce * 2 * b_dp * s * h * e * _ring(d.tp) * accum
+        comm["tp_logits_all_gather"] = (b_dp * s * V * 4 * _ring(d.tp) * accum) if pl.has_head else 0.0
+    if d.pp > 1:
+        # activations forward out of every stage but the last, gradients back out of every stage but the first
+        sends = sum(st < pl.n_stages - 1 for st in pl.stages) + sum(st > 0 for st in pl.stages)
+        comm["pp_send"] = b_dp * s * h * 4 * sends * accum
+    return {k: v for k, v in comm.items() if v}
+
+
 def plan(cfg: RunConfig, world_size: int, batch_size: int | None = None, seq_len: int | None = None) -> dict:
     """Per-rank memory and per-step communication of ``cfg`` on ``world_size`` ranks (bytes)."""
     m, tc, pc = cfg.model, cfg.train, cfg.parallel
@@ -127,91 +240,24 @@ def plan(cfg: RunConfig, world_size: int, batch_size: int | None = None, seq_len
     c = count_at_depth(m)
     s = seq_len or (cfg.data.seq_len if m.arch == "decoder" else m.max_seq_len)
     B = batch_size or tc.batch_size
-    b_dp = B / d.dp  # rows per data-parallel rank per micro-batch
-    n_stages = d.pp * (STAGES_PER_RANK[pc.pp_schedule] if d.pp > 1 else 1)
-    n_micro = (pc.pp_microbatches or 2 * d.pp) if d.pp > 1 else 1
-    b = b_dp / n_micro  # rows per pipeline micro-batch
-    layers = len(c.block_split)
-    bounds = stage_bounds(layers, n_stages) if d.pp > 1 else [(0, layers)]
-    rank_stages = [list(range(r, n_stages, d.pp)) for r in range(d.pp)]
-
-    def params_of(stages: list[int]) -> float:
-        total = 0.0
-        for st in stages:
-            lo, hi = bounds[st]
-            total += sum(c.block_split[lo:hi]) / d.tp + sum(c.block_replicated[lo:hi])
-            if st == 0:
-                total += c.first / d.tp
-            if st == n_stages - 1:
-                total += c.last_split / d.tp + c.last_replicated
-        return total
-
-    per_rank = [params_of(st) for st in rank_stages]
-    worst = max(range(d.pp), key=lambda r: per_rank[r])
-    P = per_rank[worst]
-    layers_here = sum(bounds[st][1] - bounds[st][0] for st in rank_stages[worst])
+    pl = _pipeline(c, d, pc, B)
     e = 4 if tc.precision == "fp32" else 2  # "auto": bf16 on the GPUs a plan is for
-    shard = d.dp_shard
     fsdp = d.dp_shard > 1 or (d.dp_replicate > 1 and (d.tp > 1 or d.pp > 1))
-    biggest_block = max(sp / d.tp + rp for sp, rp in zip(c.block_split, c.block_replicated))
-    gathered = 2 * biggest_block * e if fsdp else 0.0
-
-    h, a, V = m.d_model, m.n_heads, m.vocab_size
-    scores = m.position in ("alibi", "relative") or m.attention_dropout > 0
-    per_block = e / 2 * s * b * h * (10 + 24 / d.tp + (5 * a * s / (h * d.tp) if scores else 0))
-    if tc.activation_checkpointing == "full":
-        kept = e * s * b * h * layers_here + per_block
-    elif tc.activation_checkpointing == "selective":
-        kept = e / 2 * s * b * h * (10 + 24 / d.tp) * layers_here
-    else:
-        kept = per_block * layers_here
-    in_flight = 1 if d.pp == 1 else (n_micro if pc.pp_schedule == "gpipe" else min(d.pp, n_micro))
-    has_head = (n_stages - 1) in rank_stages[worst]
-    logits = 8 * s * b * V if has_head else 0.0
-    activations = kept * in_flight + logits
-    memory = {
-        "weights": 4 * P / shard,
-        "gradients": 4 * P / shard,
-        "optimizer": 8 * P / shard,
-        "gathered_weights": gathered,
-        "activations": activations,
-    }
-    memory["total"] = sum(memory.values())
-
-    ring = lambda n: (n - 1) / n  # noqa: E731
-    comm = {}
-    accum = tc.grad_accum
-    if fsdp:
-        comm["fsdp_all_gather"] = 2 * P * e * ring(shard) * accum if shard > 1 else 0.0
-        comm["fsdp_reduce_scatter"] = 4 * P * ring(shard) * accum if shard > 1 else 0.0
-        comm["hsdp_all_reduce"] = 2 * 4 * (P / shard) * ring(d.dp_replicate) * accum
-    elif d.dp_replicate > 1:
-        comm["ddp_all_reduce"] = 2 * 4 * P * ring(d.dp_replicate) * accum
-    if d.tp > 1:  # 2 all-reduces per sublayer (forward, backward), 1 forward for the embedding
-        blocks_here = [i for st in rank_stages[worst] for i in range(*bounds[st])]
-        n_reduce = sum(2 * (3 if c.cross[i] else 2) for i in blocks_here) + (1 if 0 in rank_stages[worst] else 0)
-        comm["tp_all_reduce"] = n_reduce * 2 * b_dp * s * h * e * ring(d.tp) * accum
-        comm["tp_logits_all_gather"] = (b_dp * s * V * 4 * ring(d.tp) * accum) if has_head else 0.0
-    if d.pp > 1:
-        # activations forward out of every stage but the last, gradients back out of every stage but the first
-        sends = sum(st < n_stages - 1 for st in rank_stages[worst]) + sum(st > 0 for st in rank_stages[worst])
-        comm["pp_send"] = b_dp * s * h * 4 * sends * accum
-    comm = {k: v for k, v in comm.items() if v}
     return {
         "degrees": {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp},
         "world_size": world_size,
         "parameters": sum(c.block_split) + sum(c.block_replicated) + c.first + c.last_split + c.last_replicated,
-        "parameters_per_rank": P / shard,
-        "parameters_before_fsdp": P,
-        "stage_of_rank": worst,
+        "parameters_per_rank": pl.P / d.dp_shard,
+        "parameters_before_fsdp": pl.P,
+        "stage_of_rank": pl.worst,
         "batch_size": B,
-        "rows_per_microbatch": b,
-        "microbatches": n_micro,
+        "rows_per_microbatch": pl.b,
+        "microbatches": pl.n_micro,
         "seq_len": s,
         "bytes_per_activation": e,
         "activation_checkpointing": tc.activation_checkpointing,
-        "memory_bytes": memory,
-        "comm_bytes_per_step": comm,
+        "memory_bytes": _memory(m, tc, pc, c, d, pl, s, e, fsdp),
+        "comm_bytes_per_step": _communication(m, tc, c, d, pl, s, e, fsdp),
     }
 
 

@@ -133,6 +133,18 @@ class TransformerConfig:
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
+        """Each check names the field and what it expects; the first failing one is reported,
+        in this order."""
+        self._validate_sizes()
+        self._validate_details()
+        self._validate_attention()
+        self._validate_residual()
+        self._validate_experts()
+        self._validate_context()
+        self._validate_input()
+        self._validate_arch()
+
+    def _validate_sizes(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             _require(self, name, getattr(self, name) >= 1, "an integer >= 1")
         for name in ("n_kv_heads", "d_ff", "n_encoder_layers", "n_decoder_layers", "src_vocab_size"):
@@ -142,6 +154,9 @@ class TransformerConfig:
             _require(self, name, 0.0 <= getattr(self, name) < 1.0, "a float in [0, 1)")
         _require(self, "norm_eps", self.norm_eps > 0, "a float > 0")
         _require(self, "init_std", self.init_std > 0, "a float > 0")
+
+    def _validate_details(self) -> None:
+        """Scales, positions and the details of published families."""
         _require(self, "rope_base", self.rope_base > 1, "a float > 1")
         if self.attention_scale is not None:
             _require(self, "attention_scale", self.attention_scale > 0, "a float > 0 or None")
@@ -164,6 +179,9 @@ class TransformerConfig:
             self.relative_max_distance > self.relative_buckets // 2,
             f"an integer > relative_buckets // 2 = {self.relative_buckets // 2}",
         )
+
+    def _validate_attention(self) -> None:
+        """Heads: the width splits into them, key/value heads group them, rope rotates pairs."""
         _require(
             self,
             "d_model",
@@ -184,6 +202,8 @@ class TransformerConfig:
                 (self.d_model // self.n_heads) % 2 == 0,
                 "such that the head size d_model / n_heads is even (rope rotates pairs)",
             )
+
+    def _validate_residual(self) -> None:
         if self.residual == "scaled" and self.residual_scale is not None:
             _require(self, "residual_scale", self.residual_scale > 0, "a float > 0 or None")
         if (
@@ -196,12 +216,15 @@ class TransformerConfig:
                 "scale alpha > 1 compounds through depth without a norm after each sum; "
                 "use residual_scale_target='branch' with pre-norm"
             )
-        self._validate_experts()
+
+    def _validate_context(self) -> None:
+        """Context length: the attention window and rope scaling."""
         _require(self, "attention_window", self.attention_window >= 0, "an integer >= 0 (0: no window)")
         _require(self, "rope_scaling_factor", self.rope_scaling_factor >= 1.0, "a float >= 1")
         if self.rope_scaling != "none":
             _require(self, "rope_scaling", self.position == "rope", "'none' unless position='rope'")
-        self._validate_input()
+
+    def _validate_arch(self) -> None:
         if self.arch != "encoder-decoder":
             for name in ("n_encoder_layers", "n_decoder_layers", "src_vocab_size"):
                 _require(self, name, getattr(self, name) is None, "None unless arch='encoder-decoder'")

@@ -12,6 +12,7 @@ decode loop pays nothing per step.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import numbers
 from collections.abc import Iterator
 
@@ -22,21 +23,23 @@ from ..errors import UsageError
 from ..nn.kv_cache import KVCache
 from ..schema import kind_of
 
-_TRUSTED = [0]  # depth of trusted_inputs() blocks
+# Depth of the trusted_inputs() blocks entered in this context: each thread and each asyncio
+# task counts its own, so one thread's generation never switches off another's checks.
+_TRUSTED: contextvars.ContextVar[int] = contextvars.ContextVar("blockformer_trusted_inputs", default=0)
 
 
 @contextlib.contextmanager
 def trusted_inputs() -> Iterator[None]:
     """Skip the value checks inside this block (the caller has checked its inputs once)."""
-    _TRUSTED[0] += 1
+    _TRUSTED.set(_TRUSTED.get() + 1)
     try:
         yield
     finally:
-        _TRUSTED[0] -= 1
+        _TRUSTED.set(_TRUSTED.get() - 1)
 
 
 def _check_values() -> bool:
-    return not torch.compiler.is_compiling() and _TRUSTED[0] == 0
+    return not torch.compiler.is_compiling() and _TRUSTED.get() == 0
 
 
 def check_ids(tokens: object, vocab_size: int, name: str = "tokens", *, values: bool = True) -> None:

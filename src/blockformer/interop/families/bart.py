@@ -14,7 +14,7 @@ import torch
 from ...config import TransformerConfig
 from ...nn.position import sinusoidal_table
 from ..rules import Rule, linear, norm
-from . import Family, activation_from_hf, activation_to_hf, equal_or_refuse, flag, need, neutral, refuse, text
+from .base import Family, activation_from_hf, activation_to_hf, equal_or_refuse, flag, need, neutral, refuse, text
 
 
 def _config_from_hf(hf: dict, has, where: str, marian: bool) -> TransformerConfig:

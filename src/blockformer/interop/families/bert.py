@@ -13,7 +13,7 @@ import torch
 from ...config import TransformerConfig
 from ...errors import UsageError
 from ..rules import Rule, linear, norm
-from . import Family, activation_from_hf, activation_to_hf, flag, integer, need, neutral, number, refuse, text
+from .base import Family, activation_from_hf, activation_to_hf, flag, integer, need, neutral, number, refuse, text
 
 HEAD = "cls.predictions."
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ...config import TransformerConfig
 from ..rules import Rule, linear, norm
-from . import NEUTRAL, Family, activation_from_hf, activation_to_hf, flag, integer, need, number, refuse, text
+from .base import NEUTRAL, Family, activation_from_hf, activation_to_hf, flag, integer, need, number, refuse, text
 
 
 def config_from_hf(hf: dict, has, where: str) -> TransformerConfig:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ...config import TransformerConfig
 from ..rules import Rule, linear, norm
-from . import NEUTRAL, Family, flag, integer, mapping, need, number, refuse, text
+from .base import NEUTRAL, Family, flag, integer, mapping, need, number, refuse, text
 
 
 def _rope_theta(hf: dict, where: str) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ...config import TransformerConfig
 from ...errors import UsageError
 from ..rules import Rule, linear, norm
-from . import Family, flag, integer, need, neutral, number, refuse, text
+from .base import Family, flag, integer, need, neutral, number, refuse, text
 
 FFNS = {"relu": ("relu", "none"), "gated-gelu": ("geglu", "tanh"), "gated-silu": ("swiglu", "none"),
         "gelu": ("gelu", "none"), "gated-relu": None}

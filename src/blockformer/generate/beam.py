@@ -81,7 +81,7 @@ def beam_search(
     return [sorted(f, key=lambda h: h.score, reverse=True)[:n_best] for f in beams.finished]
 
 
-def _check_beam_args(model: nn.Module, beam_size: int, n_best: int, alpha: float, bos_id: int, eos_id: int) -> None:
+def _check_beam_args(model: nn.Module, beam_size: int, n_best: int, alpha: float, bos_id: int, eos_id: int):
     vocab = check_seq2seq_args(model, bos_id, eos_id)
     if not isinstance(beam_size, int) or beam_size < 1:
         raise UsageError(f"beam_size: {beam_size!r}; expected an integer >= 1")

@@ -120,7 +120,8 @@ class _CachedSteps:
         B, P = batch.tokens.shape
         positions = batch.positions
         self.model = model
-        self.cache, self.step = prepare_step(model, decode_step, B, P + N, compile=compile, compile_mode=compile_mode)
+        self.cache, self.step = prepare_step(model, decode_step, B, P + N, compile=compile,
+                                             compile_mode=compile_mode)
         self.logits = prefill(model, batch.tokens, positions, batch.mask, self.cache)  # (B, V)
         self.cache_pos = torch.tensor([P], device=batch.tokens.device)  # (1,): the slot the next token fills
         self.next_pos = positions[:, -1:] + 1  # (B, 1)

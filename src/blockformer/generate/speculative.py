@@ -30,7 +30,9 @@ from torch import nn
 from ..errors import UsageError
 from ..models.checks import check_model
 from .batching import PAD_ID, PromptBatch, prepare_prompts
-from .causal import OnToken, StopFn, check_decoding_args, check_token_count, position_table_window, vocab_size_of
+from .causal import (
+    OnToken, StopFn, check_decoding_args, check_token_count, position_table_window, vocab_size_of,
+)
 from .sampling import Sampling, sample
 from .step import cache_dtype, eval_mode, model_device
 
@@ -85,7 +87,7 @@ def speculative_generate(
     if max_new_tokens == 0:
         return stats
     with eval_mode(target), eval_mode(draft):
-        pair = _Pair(target, draft, batch, max_new_tokens)
+        pair = _TargetAndDraft(target, draft, batch, max_new_tokens)
         stats.target_calls += pair.prefill(batch)
         _rounds(pair, max_new_tokens, num_draft, sampling, generator, stats, eos_id, on_token, stop)
     return stats
@@ -105,7 +107,7 @@ def _check_draft(target: nn.Module, draft: nn.Module) -> torch.device:
 
 def _check_fits_the_caches(target: nn.Module, draft: nn.Module, longest: int) -> None:
     for name, model in (("model", target), ("draft", draft)):
-        if position_table_window(model, longest) is not None:  # plain generate slides a window; this needs the cache
+        if position_table_window(model, longest) is not None:  # generate would slide a window; this needs a cache
             raise UsageError(
                 f"max_new_tokens: prompt + new tokens = {longest} exceeds the {name}'s max_seq_len="
                 f"{model.cfg.max_seq_len} ({model.cfg.position} positions); expected at most that for "
@@ -113,7 +115,7 @@ def _check_fits_the_caches(target: nn.Module, draft: nn.Module, longest: int) ->
             )
 
 
-class _Pair:
+class _TargetAndDraft:
     """Both models' caches and where each stands: ``last`` (B, 1) is committed but in neither
     cache yet (it goes to slot ``pos``); the draft still has to write ``pending`` from slot
     ``d_start`` on (1 token, or 2 after a round that kept every proposal)."""
@@ -170,7 +172,7 @@ class _Pair:
         self.last, self.pos = nxt[:, None], self.pos + n + 1
 
 
-def _rounds(pair: _Pair, N: int, num_draft: int, sampling, generator, stats, eos_id, on_token, stop) -> None:
+def _rounds(pair: _TargetAndDraft, N: int, num_draft: int, sampling, generator, stats, eos_id, on_token, stop):
     """Draft, verify, commit, until every row ended or made ``N`` tokens."""
     out = stats.tokens
     done = [False] * len(out)

@@ -1,4 +1,8 @@
-"""One typed, serialisable description of a Transformer.
+"""Model architecture (TransformerConfig, in config.json with the weights); run: run_config; plumbing: schema.
+
+Three modules, three jobs: this one describes a model and nothing else (what a checkpoint's
+reader or ``from_hf`` needs); ``run_config`` describes a whole training run, whose
+``[model]`` section is this class; ``schema`` is the dataclass <-> dict/TOML machinery both use.
 
 Every architectural choice is a small enum or number here, validated when the config is
 built, so a bad value fails with a message that names the field instead of deep inside a

@@ -1,4 +1,8 @@
-"""The run config: what to train (``model``), on what (``data``) and how (``train``).
+"""A whole training run: model+data+train+head+lora+parallel, TOML + --set; model: config; plumbing: schema.
+
+What to train (``model``, the ``config.TransformerConfig`` of the architecture), on what
+(``data``) and how (``train``, ``head``, ``lora``, ``parallel``); ``schema`` holds the
+dataclass <-> dict/TOML machinery that this module and ``config`` share.
 
 One typed dataclass per section, read from TOML, overridden on the command line with
 ``--set section.key=value`` and saved in every checkpoint's ``config.json``, so a run is

@@ -1,5 +1,7 @@
-"""The plumbing both config files share: typed-field checks, "did you mean" for unknown
-names, and a minimal TOML writer.
+"""Dataclass <-> dict/TOML plumbing shared by config (the model) and run_config (a whole training run).
+
+Typed-field checks, "did you mean" for unknown names, and a minimal TOML writer; no
+config of its own.
 
 ``TransformerConfig`` (the model) and the run config (data, training, parallel) are plain
 dataclasses; these helpers make a bad value fail with the field's name and what it expects.

@@ -19,7 +19,7 @@ from blockformer.stats import count_parameters
 from blockformer.tokenizers import train_tokenizer
 from blockformer.train import train
 from blockformer.train.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
-from blockformer.train.finetune import ADAPTER, read_adapter_base
+from blockformer.train.adapter import ADAPTER, read_adapter_base
 
 QUIET = dict(log=lambda *a: None)
 ALL = ["qkv", "out", "up", "gate", "down"]

@@ -283,6 +283,28 @@ def test_config_rejects_top_k_above_the_expert_count():
         TransformerConfig(ffn_experts=2, expert_capacity_factor=-1.0)
 
 
+@pytest.mark.parametrize("arch", ["decoder", "encoder", "encoder-decoder"])
+def test_the_models_training_loss_includes_its_routers_aux_loss_per_target_token(arch):
+    """The trainer adds nothing: ``model(..., targets=)`` in training is the task loss plus
+    the routers' weighted aux loss times the (non-padding) targets; in eval, the task loss."""
+    from blockformer.nn.loss import token_loss
+
+    cfg = TransformerConfig(arch=arch, vocab_size=30, d_model=16, n_layers=2, n_heads=2, ffn_experts=4,
+                            experts_top_k=2, router_aux_coef=0.5, router_z_coef=0.1)
+    model = build_model(cfg, seed=0).train()
+    tokens = torch.randint(1, 30, (2, 6))
+    targets = tokens.roll(-1, 1)
+    targets[1, 4:] = 0  # padding: not a target
+    call = (lambda **kw: model(tokens, tokens, **kw)) if arch == "encoder-decoder" else (lambda **kw: model(tokens, **kw))
+    torch.manual_seed(1)
+    logits = call()
+    expected = token_loss(logits, targets) + auxiliary_loss(model) * 10
+    torch.manual_seed(1)
+    torch.testing.assert_close(call(targets=targets), expected)
+    model.eval()
+    torch.testing.assert_close(call(targets=targets), token_loss(call(), targets))
+
+
 def test_training_adds_the_aux_loss_and_logs_routing_stats(tmp_path):
     from blockformer.run_config import load_run_config
     from blockformer.train import train

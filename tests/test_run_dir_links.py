@@ -13,7 +13,8 @@ from blockformer.errors import UsageError
 from blockformer.train import checkpoint as ck
 from blockformer.train import train
 from blockformer.train.metrics import MetricsLog
-from blockformer.train.run_dir import LOCK, replace_file
+from blockformer.paths import replace_file
+from blockformer.train.run_dir import LOCK
 
 from test_train_loop import QUIET, tiny_task
 

@@ -108,13 +108,18 @@ def _resume(ckpt: Path, capsys) -> tuple[int, str]:
     return _run(["train", "--resume", str(ckpt), "--set", "train.steps=2"], capsys)
 
 
+def _scratch(model, cfg):
+    """A fresh optimizer over ``model`` with the run's parameter groups, as the loop builds it."""
+    return build_optimizer(model, cfg.train, lr_scale(model, cfg))
+
+
 # ---------------------------------------------------------------------- one-process checkpoints
 def test_a_checkpoint_with_its_optimizer_state_in_dcp_resumes(trained, tmp_path, capsys):
     """The safe readers still read what DCP writes: tensors, and the bytes items (lr, betas)."""
     ckpt = _with_dcp(_copy(trained, tmp_path / "run" / trained.name))
     cfg = read_config(ckpt)
     model = load_checkpoint(ckpt).model
-    full = full_optimizer_state(model, cfg, ckpt, load_trainer_state(ckpt))
+    full = full_optimizer_state(model, _scratch(model, cfg), ckpt, load_trainer_state(ckpt))
     saved = torch.load(trained / "trainer_state.pt", weights_only=True)["optimizer"]
     assert full["param_groups"][0]["lr"] == saved["param_groups"][0]["lr"]
     assert full["param_groups"][0]["betas"] == tuple(saved["param_groups"][0]["betas"])
@@ -233,7 +238,8 @@ def test_a_payload_in_dcp_never_runs(trained, tmp_path, marker, capsys, kind):
     cfg, state = read_config(ckpt), load_trainer_state(ckpt)
     if kind != "model-tensor":  # resuming reads the optimizer part only
         with pytest.raises(UsageError, match=word):
-            full_optimizer_state(load_checkpoint(ckpt).model, cfg, ckpt, state)
+            model = load_checkpoint(ckpt).model
+            full_optimizer_state(model, _scratch(model, cfg), ckpt, state)
         _assert_one_line(*_resume(ckpt, capsys), word)
     if kind not in ("bytes-item", "optim-tensor"):  # consolidating reads the model part only
         with pytest.raises(UsageError, match=word):

@@ -13,6 +13,10 @@ from pathlib import Path
 
 from .errors import UsageError
 
+# Names of what a writer leaves beside its target until it renames into place (a crash
+# leaves them for the next run to clean: train/checkpoint.recover).
+TMP_TAG, TRASH_TAG = ".tmp-", ".trash-"
+
 
 def check_writable_dir(path: str | Path, what: str) -> None:
     """Raise UsageError (one line: the path and the reason) unless ``path`` is, or can be
@@ -42,3 +46,31 @@ def check_output_file(path: str | Path, flag: str) -> None:
         raise UsageError(f"{flag} {path}: directory {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UsageError(f"{flag} {path}: permission denied; expected a writable file")
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write ``path`` whole: a new file beside it, flushed to disk, then renamed over it. A
+    link at ``path`` is replaced, never written through; an OS error (a full disk) names ``path``."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}{TMP_TAG}{os.getpid()}"
+    try:
+        unlink_if_present(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:
+        unlink_if_present(tmp)
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+
+
+def unlink_if_present(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"arch         {m.arch}: {layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
           f"{ffn}" + (f", vocab {m.vocab_size}" if m.input == "tokens" or m.arch != "encoder" else ""))
     from ..models.inputs import describe_parts  # noqa: PLC0415
-    from ..train.finetune import pooling_for  # noqa: PLC0415
+    from ..train.build import pooling_for  # noqa: PLC0415
 
     for part, text in describe_parts(m, cfg.head.task, pooling_for(cfg)).items():
         print(f"{part:<12} {text}")

@@ -19,7 +19,9 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UsageError
+from ..paths import TMP_TAG
 from ..textformats import loads_json
+from ..train.checkpoint import discard
 
 CONFIG = "config.json"
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -170,7 +172,6 @@ def write_hf_dir(directory: Path, config: dict[str, Any], tensors: dict[str, tor
     beside it under a temporary name and renamed into place, so a failure leaves it as it was."""
     import safetensors.torch
 
-    from ..train.checkpoint import TMP_TAG, discard  # noqa: PLC0415
 
     tmp = directory.parent / f".{directory.name}{TMP_TAG}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

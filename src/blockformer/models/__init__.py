@@ -7,6 +7,7 @@ import torch
 from ..config import TransformerConfig
 from .base import TransformerModel
 from .checks import check_config, check_seed
+from ..nn.moe import routing_stats
 from .decoder import DecoderModel
 from .encoder import EncoderModel
 from .encoder_decoder import EncoderDecoderModel
@@ -33,4 +34,11 @@ def build_model(
     return model.to(device) if device is not None else model
 
 
-__all__ = ["MODELS", "build_model", "TransformerModel", "DecoderModel", "EncoderModel", "EncoderDecoderModel"]
+__all__ = ["MODELS", "build_model", "TransformerModel", "DecoderModel", "EncoderModel", "EncoderDecoderModel",
+           "training_metrics"]
+
+
+def training_metrics(model: torch.nn.Module) -> dict:
+    """What a model reports about its last forward, for ``metrics.jsonl``: the MoE routing
+    (each expert's share, the fraction dropped, the balance and z losses); empty without MoE."""
+    return routing_stats(model)

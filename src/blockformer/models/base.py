@@ -11,8 +11,8 @@ from ..config import TransformerConfig
 from ..nn.attention import Attention
 from ..nn.feedforward import FeedForward
 from ..nn.kv_cache import KVCache
-from ..nn.loss import head_loss
-from ..nn.moe import MoEFeedForward
+from ..nn.loss import PAD, head_loss
+from ..nn.moe import MoEFeedForward, auxiliary_loss
 from ..nn.position import RelativeBias
 from .checks import check_int, check_targets
 from .head_layers import HeadTransform
@@ -36,14 +36,18 @@ class TransformerModel(nn.Module):
         self, h: torch.Tensor, targets: torch.Tensor | None = None, label_smoothing: float = 0.0
     ) -> torch.Tensor:
         """Final hidden states (B, T, d_model) -> logits (B, T, vocab); with ``targets``
-        (B, T), the summed token loss instead, the head fused with it (``nn/loss.py``)."""
+        (B, T), the summed token loss instead, the head fused with it (``nn/loss.py``). In
+        training that loss includes what the forward's MoE routers recorded (their weighted
+        balance and z losses, per target token), so the trainer needs to know nothing of them."""
         if self.head_transform is not None:
             h = self.head_transform(h)
         if self.cfg.output_scale != 1.0:
             h = h * self.cfg.output_scale  # T5 with tied embeddings: d_model^-0.5
         if targets is not None:
             check_targets(targets, h[..., 0], self.cfg.vocab_size, label_smoothing)
-            return head_loss(h, self.head, targets, label_smoothing)
+            loss = head_loss(h, self.head, targets, label_smoothing)
+            aux = auxiliary_loss(self) if self.training else None
+            return loss if aux is None else loss + aux * (targets != PAD).sum()
         return self.head(h)
 
     @torch.no_grad()

@@ -10,6 +10,6 @@ vocabulary in the training loss. ``data`` gives each rank its slice of the globa
 """
 
 from .loss import loss_context
-from .runtime import Parallel, loss_total, on_main, parallelize, start
+from .runtime import Local, Parallel, parallelize, start
 
-__all__ = ["Parallel", "loss_context", "loss_total", "on_main", "parallelize", "start"]
+__all__ = ["Local", "Parallel", "loss_context", "parallelize", "start"]

@@ -23,7 +23,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -38,10 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..errors import UsageError
 from ..models import build_model
+from ..paths import TMP_TAG
 from ..run_config import RunConfig
-from ..train.checkpoint import TMP_TAG, save_checkpoint
-from ..train.finetune import lr_scale
-from ..train.optim import build_optimizer
 from .dcp_reader import safe_load
 from .tensor import RowOrder, row_order
 
@@ -56,8 +54,11 @@ def save_sharded(
     tokenizer: Any,
     cfg: RunConfig,
     trainer_state: dict[str, Any],
+    write: Callable[..., Path],
 ) -> Path:
-    """Write a checkpoint from every rank of ``par`` (a collective: all ranks call it)."""
+    """Write a checkpoint from every rank of ``par`` (a collective: all ranks call it): rank 0
+    consolidates the weights and ``write`` (the trainer's checkpoint writer) commits them,
+    with the sharded state moved into the checkpoint's ``dcp/``."""
     directory = Path(directory)
     staging = directory.parent / f".{directory.name}{TMP_TAG}dcp"  # a crashed save leaves it to recover()
     if par.is_main:
@@ -69,8 +70,7 @@ def save_sharded(
         try:
             full = consolidate(staging, cfg, par.degrees.tp)
             meta = {**trainer_state, "parallel": par.layout()}
-            save_checkpoint(directory, full, tokenizer, cfg, meta,
-                            before_commit=lambda tmp: os.replace(staging, tmp / DCP_DIR))
+            write(directory, full, tokenizer, cfg, meta, before_commit=lambda tmp: os.replace(staging, tmp / DCP_DIR))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     par.barrier()
@@ -90,12 +90,6 @@ def consolidate(dcp_dir: str | Path, cfg: RunConfig, tp: int) -> nn.Module:
     return model
 
 
-def same_layout(par: Any, state: dict[str, Any] | None) -> bool:
-    """Whether the checkpoint was written by ranks laid out as ``par``'s: then each rank reads
-    only its own shards (``load_sharded``)."""
-    return par is not None and state is not None and state.get("parallel") == par.layout()
-
-
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
     """Every rank reads its shards of the weights and optimizer state from ``dcp/`` (a collective)."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
@@ -104,10 +98,11 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint:
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
-def full_optimizer_state(model: nn.Module, cfg: RunConfig, checkpoint: Path, state: dict[str, Any]) -> dict:
+def full_optimizer_state(model: nn.Module, scratch: torch.optim.Optimizer, checkpoint: Path,
+                         state: dict[str, Any]) -> dict:
     """The optimizer state of ``checkpoint`` as a full state dict keyed by parameter name, in the
-    model's row order; ``model`` is the unwrapped model on this process (not yet sharded)."""
-    scratch = build_optimizer(model, cfg.train, lr_scale(model, cfg))  # the saved state's groups
+    model's row order; ``model`` is the unwrapped model on this process (not yet sharded) and
+    ``scratch`` a fresh optimizer over it with the run's parameter groups."""
     if "optimizer" in state:  # written by one process
         scratch.load_state_dict(state["optimizer"])
         return get_optimizer_state_dict(model, scratch)

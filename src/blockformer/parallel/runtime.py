@@ -1,16 +1,20 @@
-"""The one object the training loop asks about parallelism, and the wrapping of a finished model.
+"""The one object the training loop asks about the processes it runs on, and the wrapping
+of a finished model.
 
-``start(cfg, device)`` returns ``None`` for a plain one-process run (the loop then runs
-exactly as without this package) or a ``Parallel``: the mesh, this rank's place in it,
-and the few collectives the loop needs (its slice of the batch, the global loss, the
-global gradient norm). ``parallelize`` wraps the model in torchtitan's order: tensor
+``start(cfg, device)`` returns a runtime: ``Local`` for a plain one-process run, or a
+``Parallel`` (the mesh, this rank's place in it). Both answer the same few questions the
+loop asks (its slice of the batch, the global loss and gradient norm, whether every rank's
+weights are finite, how to save and restore a checkpoint's optimizer state), so the loop
+has no branch for either. ``parallelize`` wraps the model in torchtitan's order: tensor
 parallel, activation checkpointing, compile, then FSDP or DDP.
 """
 
 from __future__ import annotations
 
 
+import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -21,12 +25,71 @@ from torch.distributed.tensor import DTensor
 
 from ..run_config import RunConfig, TrainConfig
 from .activation import apply_activation_checkpointing
+from .checkpoint import load_optimizer_state, load_sharded, save_sharded
 from .data import shard_batch
 from .fsdp import apply_ddp, apply_fsdp, blocks_of
+from .loss import loss_context
 from ..errors import UsageError
 from .mesh import Degrees, env_world_size, init_mesh, local_device, resolve_degrees
 from .pipeline import Pipeline, build_pipeline, describe_stages
 from .tensor import RowOrder, apply_tp, check_tp
+
+
+class Local:
+    """One process, no process group: each answer is the plain one-process computation."""
+
+    parallel = False
+    is_main = True
+    world_size = 1
+    pipeline = None
+    grad_scale = 1.0
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def describe(self) -> str:
+        return "one process"
+
+    def on_main(self, fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    def local_batch(self, batch: Any) -> Any:
+        return batch
+
+    def loss_context(self, label_smoothing: float) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def loss_total(self, total: torch.Tensor) -> torch.Tensor:
+        return total
+
+    def grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """The gradients' global norm, clipped to ``max_norm`` first when it is > 0."""
+        if max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag
+
+    def reads_own_shards(self, state: dict[str, Any] | None) -> bool:
+        return False
+
+    def save(self, directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
+             cfg: RunConfig, trainer_state: dict[str, Any], write: Callable[..., Path]) -> Path:
+        """``write`` (the checkpoint writer) with the optimizer state in the trainer state."""
+        return write(directory, model, tokenizer, cfg, {**trainer_state, "optimizer": optimizer.state_dict()})
+
+    def load_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path,
+                       state: dict[str, Any], full: dict | None) -> None:
+        """The checkpoint's optimizer state: its own, or ``full`` (one written by a parallel run)."""
+        if full is None:
+            optimizer.load_state_dict(state["optimizer"])
+        else:
+            load_optimizer_state(None, model, optimizer, full)
+
+    def close(self) -> None:
+        pass
+
 
 
 @dataclass
@@ -39,6 +102,63 @@ class Parallel:
     pipeline: Any = None  # a pipeline.Pipeline when pp > 1
     pp_schedule: str = "1f1b"
     n_layers: int = 0
+
+    parallel = True
+
+    @property
+    def world_size(self) -> int:
+        return self.degrees.world_size
+
+    def on_main(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on rank 0 alone (owning the run directory, say); if it raises a usage or
+        file error there, every rank raises one, so no rank waits for a collective that never comes."""
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = fn()
+            except (UsageError, OSError) as e:
+                error = e
+        message = [None if error is None else str(error)]
+        dist.broadcast_object_list(message, src=0)
+        if error is not None:
+            raise error
+        if message[0] is not None:
+            raise UsageError(f"rank 0: {message[0]}")
+        return result
+
+    def loss_context(self, label_smoothing: float) -> contextlib.AbstractContextManager:
+        """Under TP, the logits stay split by vocabulary in the training loss."""
+        return loss_context(self, label_smoothing)
+
+    def loss_total(self, total: torch.Tensor) -> torch.Tensor:
+        """The global batch's summed loss from each data-parallel rank's share."""
+        return self.sum_over(total)
+
+    def grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        return self.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (every rank holds other weights; all must agree)."""
+        t = torch.tensor(float(flag), device=self.device)
+        dist.all_reduce(t)
+        return bool(t)
+
+    def reads_own_shards(self, state: dict[str, Any] | None) -> bool:
+        """Whether the checkpoint was written by ranks laid out as these: then each rank reads
+        only its own shards of the weights and optimizer state."""
+        return state is not None and state.get("parallel") == self.layout()
+
+    def save(self, directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
+             cfg: RunConfig, trainer_state: dict[str, Any], write: Callable[..., Path]) -> Path:
+        """A checkpoint from every rank (a collective): the optimizer state sharded in ``dcp/``."""
+        return save_sharded(self, directory, model, optimizer, tokenizer, cfg, trainer_state, write)
+
+    def load_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path,
+                       state: dict[str, Any], full: dict | None) -> None:
+        if full is None:  # our own layout: each rank reads its shards (the weights too)
+            load_sharded(model, optimizer, checkpoint)
+        else:
+            load_optimizer_state(self, model, optimizer, full)
 
     @property
     def rank(self) -> int:
@@ -111,12 +231,12 @@ class Parallel:
             dist.destroy_process_group()
 
 
-def start(cfg: RunConfig, device: torch.device) -> Parallel | None:
-    """Join the job ``torchrun`` started; ``None`` for one process with the default section."""
+def start(cfg: RunConfig, device: torch.device) -> Local | Parallel:
+    """Join the job ``torchrun`` started; ``Local`` for one process with the default section."""
     pc, world = cfg.parallel, env_world_size()
     if world == 1 and not dist.is_initialized() and (pc.tp, pc.pp, pc.dp_replicate) == (1, 1, 1) \
             and pc.dp_shard in (-1, 1):
-        return None
+        return Local(device)
     head, lora = getattr(cfg, "head", None), getattr(cfg, "lora", None)
     if (head is not None and head.task != "none") or (lora is not None and lora.rank > 0):
         raise UsageError("parallel: task heads and LoRA adapters train on one process; expected head.task='none' "
@@ -132,14 +252,14 @@ def start(cfg: RunConfig, device: torch.device) -> Parallel | None:
 
 
 def parallelize(
-    model: nn.Module, cfg: RunConfig, par: Parallel | None, train: TrainConfig | None = None
+    model: nn.Module, cfg: RunConfig, par: Local | Parallel | None, train: TrainConfig | None = None
 ) -> tuple[nn.Module, nn.Module]:
     """Wrap the finished ``model`` (pipeline stages, TP, activation checkpointing, compile,
     FSDP/DDP). Returns the module holding this rank's parameters (the whole model but under
     pipeline parallelism) and the module to call for the forward pass. ``train`` overrides
     ``cfg.train`` (the loop's, with ``precision = "auto"`` resolved)."""
     tc = train or cfg.train
-    if par is None:
+    if par is None or not par.parallel:
         apply_activation_checkpointing(model, tc.activation_checkpointing)
         return model, model  # one process: the loop compiles model + loss together (train.compile)
     d, pc = par.degrees, cfg.parallel
@@ -172,29 +292,4 @@ def check_microbatches(rows: int, n_micro: int) -> None:
                          f"expected train.batch_size / (dp_shard * dp_replicate) >= pp_microbatches")
 
 
-def on_main(par: Parallel | None, fn: Callable[[], Any]) -> Any:
-    """``fn()`` on rank 0 alone (owning the run directory, say); if it raises a usage or file
-    error there, every rank raises one, so no rank waits for a collective that never comes."""
-    if par is None:
-        return fn()
-    result, error = None, None
-    if par.is_main:
-        try:
-            result = fn()
-        except (UsageError, OSError) as e:
-            error = e
-    message = [None if error is None else str(error)]
-    dist.broadcast_object_list(message, src=0)
-    if error is not None:
-        raise error
-    if message[0] is not None:
-        raise UsageError(f"rank 0: {message[0]}")
-    return result
-
-
-def loss_total(par: Parallel | None, total: torch.Tensor) -> torch.Tensor:
-    """The global batch's summed loss from each data-parallel rank's share."""
-    return total if par is None else par.sum_over(total)
-
-
-__all__ = ["Parallel", "start", "parallelize", "loss_total"]
+__all__ = ["Local", "Parallel", "start", "parallelize"]

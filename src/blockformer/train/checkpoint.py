@@ -25,7 +25,7 @@ import pickle
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,10 +34,15 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from ..models.heads import TaskModel
+from ..nn.lora import LORA_MARK, unload_lora
+from ..paths import TMP_TAG, TRASH_TAG
 from ..run_config import RunConfig
 from ..stats import size_estimate
 from ..textformats import loads_json
 from ..tokenizers import load_tokenizer
+from .adapter import ADAPTER, HEAD, load_adapter_tensors, read_adapter_base, save_weights
+from .build import build_run_model
 
 CONFIG, WEIGHTS, TOKENIZER, STATE = "config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"
 BEST = "best"
@@ -74,7 +79,6 @@ def step_dir_name(step: int) -> str:
 # (renameat2 RENAME_EXCHANGE) where the filesystem allows, so the step and ``best`` never
 # dangle; deleting first renames to a trash name, so a half-deleted checkpoint is never
 # listed. Temporary and trash names start with a dot and are cleaned at the run's next start.
-TMP_TAG, TRASH_TAG = ".tmp-", ".trash-"
 
 
 def save_checkpoint(
@@ -101,8 +105,6 @@ def save_checkpoint(
                 "fingerprint": tokenizer.fingerprint()}  # load_checkpoint checks the tokenizer against it
         text = json.dumps({**config.to_dict(), "tokenizer": meta}, indent=2) + "\n"
         (tmp / CONFIG).write_text(text, encoding="utf-8")
-        from .finetune import save_weights  # noqa: PLC0415 - all weights, or a LoRA run's adapter
-
         try:  # save_model drops the duplicate names of tied tensors, which safetensors refuses
             save_weights(unwrap(model), tmp, config, WEIGHTS)
         except safetensors.SafetensorError as e:  # a full disk surfaces here as a Rust I/O error
@@ -204,8 +206,6 @@ def recover(run_dir: str | Path) -> list[Path]:
 
 
 def _complete(path: Path) -> bool:
-    from .finetune import ADAPTER  # noqa: PLC0415 - a LoRA run's checkpoint holds its adapter instead
-
     return (path / CONFIG).is_file() and ((path / WEIGHTS).is_file() or (path / ADAPTER).is_file())
 
 
@@ -323,10 +323,8 @@ def _read_json(path: str | Path) -> dict[str, Any]:
 def load_weights(model: nn.Module, path: str | Path, device: torch.device | str = "cpu") -> None:
     """Load ``model.safetensors`` from checkpoint ``path`` into ``model`` (strictly)."""
     file = resolve_checkpoint(path) / WEIGHTS
-    from .finetune import ADAPTER, load_adapter  # noqa: PLC0415
-
     if not file.is_file() and (file.parent / ADAPTER).is_file():  # a LoRA run: base + adapter
-        load_adapter(unwrap(model), file.parent, read_config(file.parent), device)
+        _load_adapter(unwrap(model), file.parent, read_config(file.parent), device)
         return
     if not file.is_file():
         raise UsageError(f"{file}: weights file not found")
@@ -336,6 +334,76 @@ def load_weights(model: nn.Module, path: str | Path, device: torch.device | str 
         reason = str(e).strip().splitlines()[0]
         raise UsageError(f"{file}: cannot load the weights ({reason}); expected the file written with "
                          f"this checkpoint's config.json") from None
+
+
+# ---------------------------------------------------------------------- weights by name
+@dataclass
+class InitReport:
+    loaded: list[str] = field(default_factory=list)
+    new: list[str] = field(default_factory=list)  # in this model, not in the base
+    skipped: list[str] = field(default_factory=list)  # in both, shapes differ (or the head's task differs)
+    unused: list[str] = field(default_factory=list)  # in the base, not used here
+
+    def describe(self, source: str) -> str:
+        parts = [f"init-from {source}: {len(self.loaded)} tensors loaded"]
+        for what, names in (("new (not in the base)", self.new), ("skipped (shape or task differs)", self.skipped),
+                            ("unused from the base", self.unused)):
+            if names:
+                parts.append(f"{what}: {', '.join(names)}")
+        return "; ".join(parts)
+
+
+def _base_key(name: str, target_is_task: bool, base_is_task: bool) -> str:
+    if target_is_task and not base_is_task:
+        return name[len("body."):] if name.startswith("body.") else name
+    if base_is_task and not target_is_task:
+        return "body." + name
+    return name
+
+
+def load_matching(model: nn.Module, source: str | Path, cfg: RunConfig) -> InitReport:
+    """Copy the weights of checkpoint ``source`` into ``model`` (of run config ``cfg``) by name
+    and shape. The base's own head (LM head, or a task head for other labels) is not carried
+    over to a head of a different task; the report names everything not carried over."""
+    base_cfg = read_config(source)
+    if base_cfg.model.arch != cfg.model.arch:
+        raise UsageError(f"train.init_from={source}: a {base_cfg.model.arch} checkpoint; expected "
+                         f"model.arch={cfg.model.arch!r} to match it")
+    base_state = load_checkpoint(source).model.state_dict()
+    base_is_task = any(k.startswith("body.") for k in base_state)
+    target_is_task = isinstance(model, TaskModel)
+    same_task = base_cfg.head.task == cfg.head.task and base_cfg.head.labels == cfg.head.labels
+    report, used, state = InitReport(), set(), {}
+    for name, tensor in model.state_dict().items():
+        if LORA_MARK in name:
+            continue
+        key = _base_key(name, target_is_task, base_is_task)
+        if key not in base_state:
+            report.new.append(name)
+        elif base_state[key].shape != tensor.shape:
+            report.skipped.append(f"{name} {tuple(base_state[key].shape)}->{tuple(tensor.shape)}")
+            used.add(key)
+        elif name.startswith(HEAD) and target_is_task and not same_task:
+            report.skipped.append(f"{name} (other labels)")
+            used.add(key)
+        else:
+            state[name] = base_state[key]
+            report.loaded.append(name)
+            used.add(key)
+    report.unused = sorted(k for k in base_state if k not in used)
+    model.load_state_dict(state, strict=False)
+    return report
+
+
+def _load_adapter(model: nn.Module, directory: Path, config: RunConfig, device: Any) -> None:
+    """A LoRA checkpoint: the base weights from the checkpoint its adapter names, then the
+    adapter and head tensors."""
+    base = read_adapter_base(directory)
+    if not base or not Path(base).exists():
+        raise UsageError(f"{directory / ADAPTER}: its base checkpoint {base or '(none recorded)'} is missing; "
+                         f"expected the checkpoint this adapter was trained on")
+    load_matching(model, base, config)
+    load_adapter_tensors(model, directory, device)
 
 
 def load_tokenizer_for(path: str | Path, vocab_size: int) -> Any:
@@ -388,10 +456,7 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> Che
     path = resolve_checkpoint(path)
     config = read_config(path)
     tokenizer = load_tokenizer_for(path, config.model.vocab_size)
-    from ..nn.lora import unload_lora  # noqa: PLC0415
-    from .finetune import build_model_for  # noqa: PLC0415
-
-    model = build_model_for(config, load_init=False)  # with its task head and adapters, if any
+    model = build_run_model(config)  # with its task head and adapters, if any
     load_weights(model, path)
     unload_lora(model)  # adapters merged into their base weights: an ordinary model for inference
     return Checkpoint(model=model.to(device).eval(), tokenizer=tokenizer, config=config, path=path)

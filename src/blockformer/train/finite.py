@@ -18,18 +18,17 @@ from .checkpoint import load_trainer_state, load_weights
 from .optim import kernel_kept
 
 
-def finite_weights(params: list[torch.nn.Parameter], par: Any = None) -> bool:
+def finite_weights(params: list[torch.nn.Parameter], runtime: Any = None) -> bool:
     """Whether every weight in ``params`` is finite, on every rank. One fused 2-norm per
     tensor (NaN and inf reach it) and one host read; a tensor whose norm overflows, which
-    finite values past 1e19 also do, is then checked element by element."""
+    finite values past 1e19 also do, is then checked element by element. ``runtime``
+    (``parallel.start``'s) makes every rank agree."""
     local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]
     norms = torch.stack(torch._foreach_norm(local)) if local else torch.zeros(1)
     suspects = (~norms.isfinite()).nonzero().flatten().tolist()  # nearly always empty
     bad = any(not bool(torch.isfinite(local[i]).all()) for i in suspects)
-    if par is not None:  # every rank holds other weights; all must agree
-        flag = torch.tensor(float(bad), device=norms.device)
-        torch.distributed.all_reduce(flag)
-        bad = bool(flag)
+    if runtime is not None:
+        bad = runtime.any_rank(bad)  # every rank holds other weights; all must agree
     return not bad
 
 

@@ -1,10 +1,13 @@
-"""The training loop: a short function; each feature lives in its own small module.
+"""The training loop: a short function over small named parts.
 
-``train(cfg)`` builds the tokenizer, model and data from a run config (or restores them
-from a checkpoint), then repeats: gather ``grad_accum`` micro-batches, backpropagate their
-token-weighted loss, clip, step AdamW and the schedule. Every ``eval_every`` steps it
-evaluates, saves a checkpoint and keeps the last k and the best. SIGINT/SIGTERM, or
-``train.max_minutes`` running out, finish the current step, save, and return.
+``train(cfg)`` joins the processes it runs on (``parallel.start``: one process, or this
+rank of a torchrun job), builds the tokenizer, model and data from a run config (or
+restores them from a checkpoint: ``_start``), then repeats: one optimizer update
+(``step.train_step``), a log line every ``log_every`` steps (``_log``), and every
+``eval_every`` steps an evaluation and a checkpoint, keeping the last k and the best
+(``_evaluate_and_save``). SIGINT/SIGTERM, or ``train.max_minutes`` running out, finish
+the current step, save, and return (``_finish``). The loop knows no model, task or
+parallel layout: the objective, the model's own loss and the runtime answer for them.
 
 The run directory is locked for the whole call (``run_dir.RunLock``); a fresh run refuses
 a directory that holds an earlier run unless ``overwrite``.
@@ -25,28 +28,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import parallel
 from ..errors import UsageError
-from ..models.checks import trusted_inputs
-from ..nn.moe import auxiliary_loss, routing_stats
-from ..parallel.checkpoint import (
-    full_optimizer_state,
-    load_optimizer_state,
-    load_sharded,
-    same_layout,
-    save_sharded,
-)
+from ..models import training_metrics
+from ..parallel.checkpoint import full_optimizer_state
+from ..paths import replace_file
+from ..precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
 from ..run_config import RunConfig
 from ..stats import count_parameters, flops_per_token
 from .checkpoint import (
@@ -60,16 +54,20 @@ from .checkpoint import (
     step_checkpoints,
     step_dir_name,
 )
-from .compile import LossFn, compile_loss, resolve_compile
-from .metrics import MetricsLog, perplexity, plot_losses
+from .compile import compile_loss, resolve_compile
 from .finetune import lr_scale
 from .finite import diverged_message, finite_weights, restore_finite
+from .metrics import MetricsLog, perplexity, plot_losses
 from .optim import build_optimizer, kernel_kept
-from ..precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
-from .run_dir import CONFIG_TOML, RunLock, clear_previous_run, main_process, prepare, replace_file
+from .rng import get_rng_state, set_rng_state
+from .run_dir import CONFIG_TOML, RunLock, clear_previous_run, main_process, prepare
 from .schedule import build_scheduler, load_scheduler_state
-from .setup import Objective, build_run
+from .setup import build_run
+from .step import train_step
+from .stopper import Stopper
 from .throughput import format_flops, peak_flops, utilisation
+
+__all__ = ["train", "train_step", "TrainResult", "NonFiniteLoss", "get_rng_state", "set_rng_state"]
 
 
 @dataclass
@@ -108,37 +106,71 @@ def train(
     as if interrupted. A fresh run into a directory holding an earlier run raises
     UsageError unless ``overwrite``; another process training there raises UsageError."""
     run_dir = Path(run_dir)
-    par = parallel.start(cfg, resolve_device(cfg.train.device))  # None: one process, no parallel section
+    runtime = parallel.start(cfg, resolve_device(cfg.train.device))
     lock = RunLock(run_dir)
 
     def own_run_dir() -> list[Path]:
-        if par is None and not main_process():  # a rank > 0 outside our process group: rank 0 owns it
+        if not runtime.parallel and not main_process():  # a rank > 0 outside our process group
             return []
         lock.acquire()
         return prepare(run_dir, fresh=resume is None, overwrite=overwrite)
 
     try:
-        cleaned = parallel.on_main(par, own_run_dir)  # rank 0 owns the directory; all ranks learn if it could
+        cleaned = runtime.on_main(own_run_dir)  # rank 0 owns the directory; all ranks learn if it could
         if cleaned:
             log(f"{run_dir}: removed {len(cleaned)} temporary entries left by an interrupted run")
-        return _train(cfg, run_dir, resume=resume, stop_at=stop_at, log=log, overwrite=overwrite, par=par)
+        run = _start(cfg, run_dir, runtime, resume=resume, overwrite=overwrite, log=log)
+        return _loop(run, stop_at)
     finally:
         if lock.held:
             lock.release()
-        if par is not None:
-            par.close()
+        runtime.close()
 
 
-def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, par) -> TrainResult:
-    tc = cfg.train
-    device = resolve_device(tc.device) if par is None else par.device
-    main = par is None or par.is_main
-    if par is not None:
+@dataclass
+class _Run:
+    """What one call of ``train`` holds while it runs."""
+
+    cfg: RunConfig
+    tc: Any  # cfg.train with precision and compile resolved
+    run_dir: Path
+    runtime: Any  # parallel.Local or parallel.Parallel
+    model: torch.nn.Module  # this rank's parameters
+    fwd_model: torch.nn.Module  # what the step calls (DDP-wrapped, say)
+    objective: Any  # objective.Objective
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    log: Any
+    step: int = 0
+    best_loss: float = float("inf")
+    good: Path | None = None  # the last checkpoint known finite; skip mode goes back to it
+    initial: list[torch.Tensor] | None = None  # ... or, before the first, the weights at the start
+    metrics: Any = None
+    loss_fn: Any = None
+    flops_per_token: float = 0.0
+    peak: float | None = None
+    bar: Any = None
+    lr: float = 0.0
+    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (step, loss on the device)
+    window: list[float] = field(default_factory=lambda: [time.perf_counter(), 0, 0])  # t0, tokens, targets
+    result: TrainResult | None = None
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def _start(cfg: RunConfig, run_dir: Path, runtime: Any, *, resume, overwrite: bool, log: Any) -> _Run:
+    """Tokenizer, model, objective, optimizer and schedule, fresh or restored from ``resume``."""
+    device, main = runtime.device, runtime.is_main
+    if runtime.parallel:
         log = log if main else _quiet
-        log(f"parallel: {par.describe()}")
-    requested = tc.precision
-    tc = dataclasses.replace(tc, precision=resolve_precision(requested, device),  # cfg keeps "auto"
-                             compile=resolve_compile(tc.compile, cfg.model))
+        log(f"parallel: {runtime.describe()}")
+    requested = cfg.train.precision
+    tc = dataclasses.replace(cfg.train, precision=resolve_precision(requested, device),  # cfg keeps "auto"
+                             compile=resolve_compile(cfg.train.compile, cfg.model))
     check_precision(tc.precision, device)
     state = None
     if resume is not None:
@@ -146,183 +178,166 @@ def _train(cfg: RunConfig, run_dir: Path, *, resume, stop_at, log, overwrite, pa
         state = load_trainer_state(resume)
     else:
         torch.manual_seed(tc.seed)
-    run = build_run(cfg, device, tokenizer_from=resume, log=log)
-    cfg, model, objective = run.config, run.model, run.objective  # model.vocab_size now set
-    full_optim, sharded = None, same_layout(par, state)  # sharded: each rank reads only its shards
-    if resume is not None and not sharded:
-        load_weights(model, resume, device)
-        if par is not None or "optimizer" not in state:  # another layout wrote it, or will read it
-            full_optim = full_optimizer_state(model, cfg, resume, state)
-    model, fwd_model = parallel.parallelize(model, cfg, par, tc)  # model: this rank's parameters
+    built = build_run(cfg, device, tokenizer_from=resume, log=log)
+    cfg = built.config  # model.vocab_size now set
+    full_optim = _read_checkpoint(built.model, cfg, runtime, resume, state, device)
+    model, fwd_model = parallel.parallelize(built.model, cfg, runtime, tc)  # model: this rank's parameters
     optimizer = build_optimizer(model, tc, lr_scale(model, cfg))
-    scheduler = build_scheduler(optimizer, tc, cfg.model.d_model)
-    scaler = grad_scaler(tc.precision, device)
-    step, best_loss = 0, float("inf")
+    run = _Run(cfg, tc, run_dir, runtime, model, fwd_model, built.objective, built.tokenizer, optimizer,
+               build_scheduler(optimizer, tc, cfg.model.d_model), grad_scaler(tc.precision, device), log, good=resume)
     if state is not None:
-        with kernel_kept(optimizer):
-            if sharded:
-                load_sharded(model, optimizer, resume)
-            elif full_optim is None:
-                optimizer.load_state_dict(state["optimizer"])
-            else:
-                load_optimizer_state(par, model, optimizer, full_optim)
-        load_scheduler_state(scheduler, state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        objective.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
-        step, best_loss = state["step"], state["best_val_loss"]
+        _restore(run, resume, state, full_optim)
     elif overwrite and main:
         clear_previous_run(run_dir, log)
+    if resume is None and tc.nonfinite == "skip" and not runtime.parallel:
+        run.initial = [p.detach().to("cpu", copy=True) for p in run.params]
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         replace_file(run_dir / CONFIG_TOML, cfg.to_toml().encode("utf-8"))
-    metrics = MetricsLog(run_dir, resume_step=step if state is not None else None) if main else _NoMetrics()
+    run.metrics = MetricsLog(run_dir, resume_step=run.step if state is not None else None) if main else _NoMetrics()
     # One process: model + loss compiled as one static graph; a parallel run compiles per block.
-    loss_fn = compile_loss(objective) if tc.compile and par is None else None
-    log(
+    run.loss_fn = compile_loss(run.objective) if tc.compile and not runtime.parallel else None
+    _announce(run, requested)
+    return run
+
+
+def _read_checkpoint(model, cfg: RunConfig, runtime, resume, state, device) -> dict | None:
+    """The weights of ``resume`` into the unwrapped ``model``, unless each rank reads its own
+    shards later; returns the optimizer state in full when another layout wrote it."""
+    if resume is None or runtime.reads_own_shards(state):
+        return None
+    load_weights(model, resume, device)
+    if not runtime.parallel and "optimizer" in state:
+        return None
+    return full_optimizer_state(model, build_optimizer(model, cfg.train, lr_scale(model, cfg)), resume, state)
+
+
+def _restore(run: _Run, resume: Path, state: dict[str, Any], full_optim: dict | None) -> None:
+    """Optimizer, schedule, scaler, data position, random streams and step of ``resume``."""
+    with kernel_kept(run.optimizer):
+        run.runtime.load_optimizer(run.model, run.optimizer, resume, state, full_optim)
+    load_scheduler_state(run.scheduler, state["scheduler"])
+    run.scaler.load_state_dict(state["scaler"])
+    run.objective.load_state_dict(state["data"])
+    set_rng_state(state["rng"])
+    run.step, run.best_loss = state["step"], state["best_val_loss"]
+
+
+def _announce(run: _Run, requested: str) -> None:
+    """The start-of-run lines: what trains where, and the FLOPs the utilisation is measured by."""
+    cfg, tc, model, device = run.cfg, run.tc, run.model, run.runtime.device
+    run.log(
         f"training {cfg.model.arch} ({count_parameters(model) / 1e6:.2f}M parameters, "
         f"{count_parameters(model, trainable_only=True) / 1e6:.3f}M trainable) on {device} "
-        f"in {describe_precision(requested, tc.precision, device)}, {tc.steps} steps -> {run_dir}"
+        f"in {describe_precision(requested, tc.precision, device)}, {tc.steps} steps -> {run.run_dir}"
     )
     # MFU: the model's FLOPs at the achieved rate over this machine's measured matmul peak.
-    flops_tok = flops_per_token(cfg.model, cfg.data.seq_len if cfg.model.arch == "decoder" else None)
+    run.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len if cfg.model.arch == "decoder" else None)
     # A parallel run's tokens are the global batch's: its peak is every rank's together.
-    peak = peak_flops(device, tc.precision) * (par.degrees.world_size if par is not None else 1) if main else None
-    log(f"throughput: {flops_tok:.3g} training FLOPs per token; {tc.precision} matmul peak "
-        f"{format_flops(peak or 0)} (`blockformer info --peak` measures it again)")
+    run.peak = peak_flops(device, tc.precision) * run.runtime.world_size if run.runtime.is_main else None
+    run.log(f"throughput: {run.flops_per_token:.3g} training FLOPs per token; {tc.precision} matmul peak "
+            f"{format_flops(run.peak or 0)} (`blockformer info --peak` measures it again)")
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    good = resume  # the last checkpoint known finite; skip mode goes back to it
-    initial = None  # ... or, before the first, to these: the trainable weights at the start
-    if resume is None and tc.nonfinite == "skip" and par is None:
-        initial = [p.detach().to("cpu", copy=True) for p in params]
 
-    def back_to_good(what: str) -> None:
-        """Non-finite ``what`` at this evaluation: stop, or (skip) restore the last finite state."""
-        if tc.nonfinite == "stop" or par is not None:
-            raise NonFiniteLoss(diverged_message(what, step, tc, good, par is not None))
-        restore_finite(model, optimizer, scaler, params, good, initial, device)
-        result.restored += 1
-        log(f"step {step}: {what} NaN or infinite; weights and optimizer state restored from "
-            f"{good or 'the start of the run'}")
-
-    def checked_eval() -> dict[str, float]:
-        """The validation metrics of finite weights, written to the metrics and the log."""
-        for attempt in range(2):
-            val = _evaluate(objective, model, tc, device) if finite_weights(params, par) else None
-            if val is not None and math.isfinite(val["val_loss"]):
-                break
-            what = "the weights" if val is None else "the validation loss"
-            if attempt:  # restoring did not help: the checkpoint itself is bad
-                raise NonFiniteLoss(diverged_message(what, step, tc, good, par is not None))
-            back_to_good(what)
-        _report(val, step, metrics, bar, log)
-        return val
-
-    def save(val: dict[str, float] | None) -> Path:
-        nonlocal best_loss, good, initial
-        trainer_state = {
-            "step": step,
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),
-            "data": objective.state_dict(),
-            "rng": get_rng_state(),
-            "best_val_loss": min(best_loss, val["val_loss"]) if val else best_loss,
-        }
-        directory = run_dir / step_dir_name(step)
-        if par is None:
-            trainer_state["optimizer"] = optimizer.state_dict()
-            path = save_checkpoint(directory, model, run.tokenizer, cfg, trainer_state)
-        else:  # the optimizer state is sharded: in the checkpoint's dcp/
-            path = save_sharded(par, directory, model, optimizer, run.tokenizer, cfg, trainer_state)
-        good, initial = path, None  # checked finite before saving
-        if val and val["val_loss"] < best_loss:
-            best_loss = val["val_loss"]
-            if main:
-                mark_best(run_dir, path)
-        if main:
-            prune(run_dir, tc.keep_last)
-        return path
-
-    result = TrainResult(run_dir=run_dir, step=step, checkpoint=None, best=None)
-    last_stop = tc.steps if stop_at is None else min(stop_at, tc.steps)
-    stopper = _Stopper()
-    bar = _progress(tc, step, last_stop) if main else None
-    pending: list[tuple[int, torch.Tensor]] = []  # (step, loss on the device), read at log steps
-    t0, tokens_seen, targets_seen = time.perf_counter(), 0, 0
+def _loop(run: _Run, stop_at: int | None) -> TrainResult:
+    tc = run.tc
+    run.result = TrainResult(run_dir=run.run_dir, step=run.step, checkpoint=None, best=None)
+    last = tc.steps if stop_at is None else min(stop_at, tc.steps)
+    run.bar = _progress(tc, run.step, last) if run.runtime.is_main else None
     deadline = time.monotonic() + 60 * tc.max_minutes if tc.max_minutes else float("inf")
-    with stopper:
-        while step < last_stop and not stopper.requested and time.monotonic() < deadline:
-            batches = [objective.next_batch() for _ in range(tc.grad_accum)]
-            lr = scheduler.get_last_lr()[0]
-            loss = train_step(fwd_model, objective, batches, optimizer, scaler, params, tc, device,
-                              check_finite=True, par=par, loss_fn=loss_fn)
-            if loss is None:  # non-finite, seen on the host
-                loss = torch.full((), float("nan"), device=device)
-            pending.append((step + 1, loss))  # a non-finite one made no update; counted when read
-            scheduler.step()
-            step += 1
-            tokens_seen += sum(objective.count_tokens(b) for b in batches)  # host ints: no sync
-            targets_seen += sum(objective.count_targets(b) for b in batches)
-            if bar is not None:
-                bar.update(1)
-            if step % tc.log_every == 0 or step == last_stop:
-                losses = _read(pending, step, tc, run_dir, result, log)
-                pending.clear()
-                result.losses.extend(losses)
-                elapsed = max(time.perf_counter() - t0, 1e-9)
-                tok_s = tokens_seen / elapsed
-                util = utilisation(flops_tok, targets_seen, elapsed, peak)
-                finite = [x for x in losses if math.isfinite(x)]  # skipped steps (train.nonfinite=skip) are nan
-                loss = sum(finite) / len(finite) if finite else float("nan")  # the mean since the last log
-                metrics.write({"split": "train", "step": step, "loss": loss, "lr": lr, "tokens_per_s": tok_s,
-                               **util, **routing_stats(model)})
-                if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}",
-                                    mfu=f"{100 * util.get('mfu', 0):.1f}%")
-                t0, tokens_seen, targets_seen = time.perf_counter(), 0, 0
-            if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
-                _read(pending, step, tc, run_dir, result, log, count=False)  # no checkpoint after a NaN
-                t_eval = time.perf_counter()
-                result.val = checked_eval()
-                result.checkpoint = save(result.val)
-                t0 += time.perf_counter() - t_eval  # tokens/s counts training time only
-        result.losses.extend(_read(pending, step, tc, run_dir, result, log))
-        if result.checkpoint is None or not result.checkpoint.name.endswith(f"{step:06d}"):
-            if not finite_weights(params, par):
-                back_to_good("the weights")
-            result.checkpoint = save(None)  # stopped between evaluations
-    if bar is not None:
-        bar.close()
-    result.step = step
-    result.interrupted = step < tc.steps
-    result.signal = stopper.signal
-    result.best = best_checkpoint(run_dir)
-    result.main = main
-    if main:
-        plot_losses(run_dir)
-    return result
+    run.window = [time.perf_counter(), 0, 0]
+    with Stopper() as stopper:
+        while run.step < last and not stopper.requested and time.monotonic() < deadline:
+            _step(run)
+            if run.step % tc.log_every == 0 or run.step == last:
+                _log(run)
+            if (tc.eval_every and run.step % tc.eval_every == 0) or run.step == tc.steps:
+                _evaluate_and_save(run)
+        _finish(run)
+    run.result.interrupted = run.step < tc.steps
+    run.result.signal = stopper.signal
+    return run.result
 
 
-def _read(
-    pending, step: int, tc, run_dir: Path, result: TrainResult, log: Any, count: bool = True
-) -> list[float]:
+def _step(run: _Run) -> None:
+    objective, device = run.objective, run.runtime.device
+    batches = [objective.next_batch() for _ in range(run.tc.grad_accum)]
+    run.lr = run.scheduler.get_last_lr()[0]
+    loss = train_step(run.fwd_model, objective, batches, run.optimizer, run.scaler, run.params, run.tc, device,
+                      check_finite=True, runtime=run.runtime, loss_fn=run.loss_fn)
+    if loss is None:  # non-finite, seen on the host
+        loss = torch.full((), float("nan"), device=device)
+    run.pending.append((run.step + 1, loss))  # a non-finite one made no update; counted when read
+    run.scheduler.step()
+    run.step += 1
+    run.window[1] += sum(objective.count_tokens(b) for b in batches)  # host ints: no sync
+    run.window[2] += sum(objective.count_targets(b) for b in batches)
+    if run.bar is not None:
+        run.bar.update(1)
+
+
+def _log(run: _Run) -> None:
+    """The mean training loss since the last log, tokens/s and utilisation, to the metrics."""
+    losses = _read(run)
+    run.pending.clear()
+    run.result.losses.extend(losses)
+    t0, tokens, targets = run.window
+    elapsed = max(time.perf_counter() - t0, 1e-9)
+    tok_s = tokens / elapsed
+    util = utilisation(run.flops_per_token, targets, elapsed, run.peak)
+    finite = [x for x in losses if math.isfinite(x)]  # skipped steps (train.nonfinite=skip) are nan
+    loss = sum(finite) / len(finite) if finite else float("nan")
+    run.metrics.write({"split": "train", "step": run.step, "loss": loss, "lr": run.lr, "tokens_per_s": tok_s,
+                       **util, **training_metrics(run.model)})
+    if run.bar is not None:
+        run.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{run.lr:.2e}", tok_s=f"{tok_s:,.0f}",
+                            mfu=f"{100 * util.get('mfu', 0):.1f}%")
+    run.window = [time.perf_counter(), 0, 0]
+
+
+def _evaluate_and_save(run: _Run) -> None:
+    _read(run, count=False)  # no checkpoint after a NaN
+    t_eval = time.perf_counter()
+    run.result.val = _checked_eval(run)
+    run.result.checkpoint = _save(run, run.result.val)
+    run.window[0] += time.perf_counter() - t_eval  # tokens/s counts training time only
+
+
+def _finish(run: _Run) -> None:
+    """The losses not yet read; a checkpoint when the run stopped between evaluations."""
+    run.result.losses.extend(_read(run))
+    checkpoint = run.result.checkpoint
+    if checkpoint is None or not checkpoint.name.endswith(f"{run.step:06d}"):
+        if not finite_weights(run.params, run.runtime):
+            _back_to_good(run, "the weights")
+        run.result.checkpoint = _save(run, None)
+    if run.bar is not None:
+        run.bar.close()
+    run.result.step = run.step
+    run.result.best = best_checkpoint(run.run_dir)
+    run.result.main = run.runtime.is_main
+    if run.runtime.is_main:
+        plot_losses(run.run_dir)
+
+
+def _read(run: _Run, count: bool = True) -> list[float]:
     """The pending losses, read in one host sync. A non-finite one stops the run (before
     anything is saved) or is counted as skipped; ``count=False`` only checks."""
-    values = torch.stack([loss for _, loss in pending]).tolist() if pending else []
-    bad = [s for (s, _), v in zip(pending, values) if not math.isfinite(v)]
-    if bad and (count or tc.nonfinite == "stop"):
-        _nonfinite(bad, step, tc, run_dir, result, log)
+    values = torch.stack([loss for _, loss in run.pending]).tolist() if run.pending else []
+    bad = [s for (s, _), v in zip(run.pending, values) if not math.isfinite(v)]
+    if bad and (count or run.tc.nonfinite == "stop"):
+        _nonfinite(run, bad)
     return values
 
 
-def _nonfinite(bad_steps: list[int], step: int, tc, run_dir: Path, result: TrainResult, log: Any) -> None:
+def _nonfinite(run: _Run, bad_steps: list[int]) -> None:
     """``train.nonfinite``: stop with the last checkpoint named, or count the skipped updates."""
+    tc, result = run.tc, run.result
     if tc.nonfinite == "stop":
-        last = step_checkpoints(run_dir)
+        last = step_checkpoints(run.run_dir)
         raise NonFiniteLoss(
             f"train: the loss became NaN or infinite at step {bad_steps[0]}; that step made no update and "
-            f"the run stopped at step {step} without saving. "
+            f"the run stopped at step {run.step} without saving. "
             f"Last checkpoint: {last[-1] if last else 'none'}. "
             f"Expected a finite loss and gradients: lower train.lr (now {tc.lr:g}), raise train.warmup, "
             f"or set train.nonfinite=skip to skip such steps"
@@ -330,108 +345,70 @@ def _nonfinite(bad_steps: list[int], step: int, tc, run_dir: Path, result: Train
     for s in bad_steps:
         result.skipped += 1
         if result.skipped in (1, 10, 100) or result.skipped % 1000 == 0:
-            log(f"step {s}: non-finite loss, update skipped ({result.skipped} so far)")
+            run.log(f"step {s}: non-finite loss, update skipped ({result.skipped} so far)")
 
 
-def train_step(
-    model: torch.nn.Module,
-    objective: Objective,
-    batches: list[Any],
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    params: list[torch.nn.Parameter],
-    tc: Any,
-    device: torch.device,
-    check_finite: bool = False,
-    par: parallel.Parallel | None = None,
-    *,
-    loss_fn: LossFn | None = None,
-) -> torch.Tensor | None:
-    """One optimizer update from ``batches`` (the micro-batches of gradient accumulation),
-    each weighted by its share of the target tokens; returns the mean loss per token.
-    With ``check_finite``, a NaN or infinite loss or gradient norm makes no update: one
-    process with fused AdamW skips it on the device (its ``found_inf`` input, as
-    ``GradScaler`` uses it) and the loss comes back non-finite, with no host sync; otherwise
-    the host checks and None comes back (fp16: the loss only; its scaler skips inf
-    gradients). ``loss_fn`` replaces ``objective.loss`` (the compiled one, under ``train.compile``).
-    In a parallel run ``batches`` are global: each rank computes the loss of its rows
-    (``par.local_batch``) and the total is the global batch's."""
-    model.train()
-    n_targets = sum(objective.count_targets(b) for b in batches)
-    total = torch.zeros((), device=device)
-    if par is not None and par.pipeline is not None:
-        total = par.pipeline.step(batches, n_targets, tc)
-    else:
-        for batch in batches:
-            # The run's own tokenizer made these ids (< vocab_size by construction): the models'
-            # value checks would read them on the host, a device sync per micro-batch.
-            local = batch if par is None else par.local_batch(batch)
-            with parallel.loss_context(par, tc.label_smoothing):  # TP: logits stay split by vocabulary
-                with autocast(tc.precision, device), trusted_inputs():
-                    loss_sum = (loss_fn or objective.loss)(model, local, tc.label_smoothing)
-                aux = auxiliary_loss(model)  # what modules (MoE routers) recorded in this forward, or None
-                objective_sum = loss_sum if aux is None else loss_sum + aux * objective.count_targets(local)
-                share = objective_sum / n_targets if par is None else objective_sum * par.grad_scale / n_targets
-                scaler.scale(share).backward()
-            total += loss_sum.detach()
-        total = parallel.loss_total(par, total)
-    fp16 = scaler.is_enabled()
-    on_device = check_finite and par is None and not fp16 and bool(optimizer.defaults.get("fused"))
-    if check_finite and fp16 and not bool(torch.isfinite(total)):
-        optimizer.zero_grad(set_to_none=True)
-        return None
-    scaler.unscale_(optimizer)  # clip the true gradients (a no-op unless fp16)
-    norm = _clip(params, tc, par, measure=check_finite and not fp16)
-    finite = None  # a finite loss can still backpropagate inf, which AdamW turns into NaN weights
-    if check_finite and norm is not None:
-        finite = torch.isfinite(total) & torch.isfinite(norm)
-    if check_finite and not fp16 and not on_device and not bool(finite):
-        optimizer.zero_grad(set_to_none=True)
-        return None
-    if on_device:
-        optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()
-        try:
-            optimizer.step()  # the fused kernel leaves weights, moments and step count as they were
-        finally:
-            del optimizer.grad_scale, optimizer.found_inf
-        optimizer.zero_grad(set_to_none=True)
-        return torch.where(finite, total / n_targets, torch.nan)  # a skipped update reads as non-finite
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return total / n_targets
+def _back_to_good(run: _Run, what: str) -> None:
+    """Non-finite ``what`` at this evaluation: stop, or (skip) restore the last finite state."""
+    if run.tc.nonfinite == "stop" or run.runtime.parallel:
+        raise NonFiniteLoss(diverged_message(what, run.step, run.tc, run.good, run.runtime.parallel))
+    restore_finite(run.model, run.optimizer, run.scaler, run.params, run.good, run.initial, run.runtime.device)
+    run.result.restored += 1
+    run.log(f"step {run.step}: {what} NaN or infinite; weights and optimizer state restored from "
+            f"{run.good or 'the start of the run'}")
 
 
-def _clip(params: list[torch.nn.Parameter], tc: Any, par, *, measure: bool) -> torch.Tensor | None:
-    """Clip the gradients' global norm to ``train.grad_clip`` (when > 0); returns the norm
-    before clipping (on the device), computed without clipping only when ``measure``."""
-    if tc.grad_clip <= 0 and not measure:
-        return None
-    if par is not None:
-        return par.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-    if tc.grad_clip > 0:
-        return torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+def _checked_eval(run: _Run) -> dict[str, float]:
+    """The validation metrics of finite weights, written to the metrics and the log."""
+    for attempt in range(2):
+        val = _evaluate(run) if finite_weights(run.params, run.runtime) else None
+        if val is not None and math.isfinite(val["val_loss"]):
+            break
+        what = "the weights" if val is None else "the validation loss"
+        if attempt:  # restoring did not help: the checkpoint itself is bad
+            raise NonFiniteLoss(diverged_message(what, run.step, run.tc, run.good, run.runtime.parallel))
+        _back_to_good(run, what)
+    run.metrics.write({"split": "val", "step": run.step, **val})
+    text = "  ".join(f"{k} {v:.4g}" for k, v in val.items())
+    (run.bar.write if run.bar is not None else run.log)(f"step {run.step}: {text}")
+    return val
 
 
-def _evaluate(objective: Objective, model, tc, device) -> dict[str, float]:
-    with autocast(tc.precision, device):
-        val = objective.evaluate(model, tc)
+def _evaluate(run: _Run) -> dict[str, float]:
+    objective = run.objective
+    with autocast(run.tc.precision, run.runtime.device):
+        val = objective.evaluate(run.model, run.tc)
     if objective.token_loss:  # perplexity means something only for a loss per token
         val["val_ppl"] = perplexity(val["val_loss"])
     return val
 
 
-def _report(val: dict[str, float], step: int, metrics, bar, log) -> None:
-    metrics.write({"split": "val", "step": step, **val})
-    text = "  ".join(f"{k} {v:.4g}" for k, v in val.items())
-    (bar.write if bar is not None else log)(f"step {step}: {text}")
+def _save(run: _Run, val: dict[str, float] | None) -> Path:
+    """A checkpoint of this step (finite: checked before); the best marked, old ones pruned."""
+    trainer_state = {
+        "step": run.step,
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": run.scaler.state_dict(),
+        "data": run.objective.state_dict(),
+        "rng": get_rng_state(),
+        "best_val_loss": min(run.best_loss, val["val_loss"]) if val else run.best_loss,
+    }
+    path = run.runtime.save(run.run_dir / step_dir_name(run.step), run.model, run.optimizer, run.tokenizer,
+                            run.cfg, trainer_state, write=save_checkpoint)
+    run.good, run.initial = path, None
+    if val and val["val_loss"] < run.best_loss:
+        run.best_loss = val["val_loss"]
+        if run.runtime.is_main:
+            mark_best(run.run_dir, path)
+    if run.runtime.is_main:
+        prune(run.run_dir, run.tc.keep_last)
+    return path
 
 
 def _progress(tc, start: int, stop: int):
     if not tc.progress:
         return None
-    from tqdm.auto import tqdm  # noqa: PLC0415
+    from tqdm.auto import tqdm  # noqa: PLC0415 - the progress bar is optional
 
     return tqdm(total=stop, initial=start, desc="train", unit="step", dynamic_ncols=True, smoothing=0.1)
 
@@ -443,51 +420,3 @@ def _quiet(*args, **kwargs) -> None:
 class _NoMetrics:
     def write(self, record: dict) -> None:
         pass
-
-
-# ---------------------------------------------------------------------- RNG state
-def get_rng_state() -> dict[str, Any]:
-    """Every random stream training reads (dropout: torch; anything else: python, numpy)."""
-    np_state = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class _Stopper:
-    """Turns SIGINT/SIGTERM into a request to stop after the current step (main thread only)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.signal: int | None = None  # the signal that asked to stop
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:  # a second Ctrl-C stops at once
-            raise KeyboardInterrupt
-        self.requested = True
-        self.signal = signum
-
-    def __enter__(self) -> "_Stopper":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..paths import replace_file
 from ..textformats import loads_json
 
 METRICS = "metrics.jsonl"
@@ -30,8 +31,6 @@ class MetricsLog:
     """
 
     def __init__(self, run_dir: str | Path, resume_step: int | None = None) -> None:
-        from .run_dir import replace_file  # noqa: PLC0415 - imports torch; readers of metrics need not
-
         self.path = Path(run_dir) / METRICS
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is None:
@@ -75,8 +74,6 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 def plot_losses(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     """Train and validation loss against step, as a PNG (headless); None without data."""
-    from .run_dir import replace_file  # noqa: PLC0415
-
     records = read_metrics(run_dir)
     train = [(r["step"], r["loss"]) for r in records if r.get("split") == "train"]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("split") == "val"]

@@ -28,8 +28,9 @@ import torch
 
 from ..errors import UsageError
 from ..textformats import loads_json
-from ..paths import check_writable_dir
-from .checkpoint import BEST, TMP_TAG, TRASH_TAG, discard, recover, step_checkpoints
+from ..paths import TMP_TAG, TRASH_TAG, check_writable_dir, replace_file, unlink_if_present as _unlink
+from .checkpoint import BEST, discard, recover, step_checkpoints
+from .metrics import METRICS, PLOT
 
 LOCK = ".lock"
 CONFIG_TOML = "config.toml"  # the run config, as the run was last started
@@ -133,13 +134,6 @@ def _is_stale(owner: dict[str, Any]) -> bool:
     return False
 
 
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-
-
 def main_process() -> bool:
     """Rank 0 of a distributed run (or a single process): the one that owns the directory."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -170,7 +164,6 @@ def check_fresh(run_dir: Path, overwrite: bool) -> None:
 
 def clear_previous_run(run_dir: Path, log: Any = print) -> None:
     """``--overwrite``: remove an earlier run's checkpoints, ``best`` and metrics (only those)."""
-    from .metrics import METRICS, PLOT  # noqa: PLC0415
 
     old = step_checkpoints(run_dir)
     if old:
@@ -188,7 +181,6 @@ def check_links(run_dir: Path) -> None:
     """Refuse a run directory in which the trainer would write through a symbolic link:
     its own files and ``step-*`` checkpoints must not be links, and ``best`` may only
     link to a ``step-*`` name in the same directory (as ``mark_best`` writes it)."""
-    from .metrics import METRICS, PLOT  # noqa: PLC0415
 
     if not run_dir.is_dir():
         return
@@ -202,27 +194,6 @@ def check_links(run_dir: Path) -> None:
                 f"{p}: is a symbolic link (to {os.readlink(p)}); the trainer writes this name and never "
                 f"through a link: expected a plain file or directory there (remove the link)"
             )
-
-
-def replace_file(path: Path, data: bytes) -> None:
-    """Write ``path`` whole: a new file beside it, flushed to disk, then renamed over it. A
-    link at ``path`` is replaced, never written through; an OS error (a full disk) names ``path``."""
-    path = Path(path)
-    tmp = path.parent / f".{path.name}{TMP_TAG}{os.getpid()}"
-    try:
-        _unlink(tmp)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError as e:
-        _unlink(tmp)
-        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
 
 def prepare(run_dir: Path, *, fresh: bool, overwrite: bool) -> list[Path]:

@@ -2,9 +2,7 @@
 
 A CPU ``nn.Linear`` hands oneDNN a plain row-major weight on every call. Packed once into
 oneDNN's blocked layout, the same product runs about twice as fast at the few rows a decode
-step has, with the same result: measured on a 2-core AMD EPYC (AVX512-BF16, no AMX), batch 1,
-bf16, a 768 -> 2304 projection took 82 us plain against 40 us packed, the 50257-row GPT-2
-output head 2.7 against 1.6 ms, with outputs equal to the last bit (fp32: 97 against 67 us).
+step has, with outputs equal to the last bit (figures: BENCHMARKS.md "Kernel choices").
 ``torch.compile`` packs the same way only with inductor's ``freezing``, which bakes the
 weights into the graph (a later weight update would go unseen); packing in eager mode gives
 the gain without that hazard.
@@ -12,10 +10,8 @@ the gain without that hazard.
 A packed weight is an opaque oneDNN tensor: the model can decode but not train, be copied
 or be saved, and a compiled decode step cannot read it. Like ``quantize``, this is the last
 step before generation (``prepare_for_decoding(..., pack=True)``, which the CLI uses).
-Packing is used only where it was measured to pay and is checked to work: bf16 weights on a
-CPU with bf16 units (AVX512-BF16 or AMX), fp32 weights on one with AVX-512 (CPUs with AVX2
-alone were not measured and keep ``F.linear``), a torch built with oneDNN, and a probe
-product equal to ``F.linear``'s.
+Packing is used only where ``kernels.packs_on_this_cpu`` says it was measured to pay, with
+a torch built with oneDNN and a probe product equal to ``F.linear``'s.
 """
 
 from __future__ import annotations

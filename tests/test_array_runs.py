@@ -23,7 +23,7 @@ from blockformer.errors import UsageError
 from blockformer.probes import attention
 from blockformer.run_config import load_run_config
 from blockformer.train import train
-from blockformer.train.arrays import DigitStrings, check_dataset
+from blockformer.data.arrays import DigitStrings, check_dataset
 
 QUIET = dict(log=lambda *a: None)
 FAST = ["train.progress=false", "train.samples=0"]

@@ -17,7 +17,7 @@ confusion matrix (rows: true label, columns: predicted) for the eval JSON.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ from torch import nn
 from ..data.labelled import IGNORE, LabelledBatch, LabelledData
 from ..run_config import TrainConfig
 from .objective import Objective
+
+if TYPE_CHECKING:
+    from ..data.describe import TaskData
 
 
 def head_loss(task: str, output: torch.Tensor, targets: torch.Tensor,
@@ -94,6 +97,12 @@ class TaskHead(Objective):
         self.train, self.val, self.batch_size, self.device = train, val, batch_size, device
         self.task, self.weights = train.task, weights
         self.generator = torch.Generator().manual_seed(seed)
+
+    @classmethod
+    def from_data(cls, data: TaskData, device: torch.device) -> TaskHead:
+        """Labelled examples (``LabelledData``) or arrays (``ArrayData``) and the loss weights."""
+        b, tc = data.batches, data.config.train
+        return cls(b.train, b.val, tc.batch_size, tc.seed, device, b.class_weights)
 
     def next_batch(self) -> LabelledBatch:
         rows = torch.randint(len(self.train), (self.batch_size,), generator=self.generator).tolist()

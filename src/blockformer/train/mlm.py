@@ -9,7 +9,7 @@ scores the same positions, and reports the masked-token accuracy beside the loss
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from ..run_config import TrainConfig
 from ..tokenizers import PAD_ID
 from ..nn.loss import token_loss
 from .objective import Objective
+
+if TYPE_CHECKING:
+    from ..data.describe import TaskData
 
 
 class MLMBatch(NamedTuple):
@@ -37,6 +40,12 @@ class MaskedLM(Objective):
         self.train, self.val, self.batch_size, self.device = train, val, batch_size, device
         self.vocab_size, self.rates = vocab_size, rates
         self.generator = torch.Generator().manual_seed(seed)
+
+    @classmethod
+    def from_data(cls, data: TaskData, device: torch.device) -> MaskedLM:
+        b, tc = data.batches, data.config.train
+        rates = MaskingRates(tc.mask_rate, tc.mask_token_rate, tc.random_token_rate)
+        return cls(b.train, b.val, tc.batch_size, tc.seed, device, data.tokenizer.vocab_size, rates)
 
     def _corrupt(self, x: torch.Tensor, generator: torch.Generator) -> MLMBatch:
         inputs, targets = mask_tokens(x, self.vocab_size, self.rates, generator)

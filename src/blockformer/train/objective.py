@@ -8,7 +8,7 @@ the target given the source, on aligned pairs or a synthetic task). The loop see
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
@@ -21,13 +21,21 @@ from ..generate import greedy_decode
 from ..run_config import TrainConfig
 from ..tokenizers import EOS_ID
 
+if TYPE_CHECKING:
+    from ..data.describe import TaskData
+
 LMBatch = tuple[torch.Tensor, torch.Tensor]
 
 
 class Objective:
-    """The interface the loop uses (see the two subclasses)."""
+    """The interface the loop uses (see the two subclasses); ``from_data`` builds one from a
+    task description whose batches are loaded (``data.describe``)."""
 
     token_loss = True  # the loss is a mean over tokens (a perplexity is reported)
+
+    @classmethod
+    def from_data(cls, data: TaskData, device: torch.device) -> Objective:
+        raise NotImplementedError
 
     def next_batch(self) -> Any:
         raise NotImplementedError
@@ -76,6 +84,11 @@ class LanguageModelling(Objective):
         self.train, self.val, self.batch_size, self.device = train, val, batch_size, device
         self.generator = torch.Generator().manual_seed(seed)
 
+    @classmethod
+    def from_data(cls, data: TaskData, device: torch.device) -> LanguageModelling:
+        b, tc = data.batches, data.config.train
+        return cls(b.train, b.val, tc.batch_size, tc.seed, device)
+
     def next_batch(self) -> LMBatch:
         x, y = self.train.sample(self.batch_size, self.generator)
         if self.device.type == "cuda":  # pinned: the copy is asynchronous, the CPU runs ahead
@@ -123,6 +136,13 @@ class Seq2Seq(Objective):
         self.task, self.tokenizer = task, tokenizer
         self.generator = torch.Generator().manual_seed(seed)
         self._stream = None if isinstance(train, TaskBatches) else train.stream()
+
+    @classmethod
+    def from_data(cls, data: TaskData, device: torch.device) -> Seq2Seq:
+        """Aligned pairs (a ``TokenBatcher``) or a synthetic task, as the description has them."""
+        b = data.batches
+        return cls(b.train, b.val, device, seed=data.config.train.seed, task=b.task, tokenizer=data.tokenizer,
+                   buckets=b.buckets)
 
     def next_batch(self) -> Seq2SeqBatch:
         batch = self.train.sample(self.generator) if self._stream is None else next(self._stream)

@@ -20,10 +20,10 @@ from torch.utils._pytree import tree_leaves
 # The estimates made before a model is built (parameters and training memory at any depth, the
 # RAM check) are arithmetic that training and parallel planning need too: they live in stats
 # and are re-exported here under their old names.
+from .. import stats as _stats
 from ..stats import (  # noqa: F401
     EXACT_LAYERS,
     check_fits_in_memory,
-    check_run_fits,
     machine_memory_bytes,
     size_estimate,
 )
@@ -72,3 +72,10 @@ def measure(fn: Callable[[], Any]) -> dict[str, Any]:
         del result  # outputs count while they are alive
     return {"peak_bytes": mem.peak, "largest_bytes": mem.largest, "largest_shape": list(mem.largest_shape)}
 
+
+def check_run_fits(cfg: Any, device: Any, make_task: Callable[[Any], Any] | None = None) -> None:
+    """``stats.check_run_fits`` with its old signature: ``make_task`` defaults to the
+    trainer's ``make_task_for`` (the trainer itself passes it in, and imports nothing here)."""
+    if make_task is None:
+        from ..train.setup import make_task_for as make_task  # noqa: PLC0415
+    _stats.check_run_fits(cfg, device, make_task)

@@ -105,7 +105,7 @@ def token_mean_loss(model, batches) -> torch.Tensor:
 def step_grads(model, fwd_model, objective, batches, tc, par=None) -> list[torch.Tensor]:
     params = [p for p in model.parameters() if p.requires_grad]
     recorder = GradRecorder(params)
-    train_step(fwd_model, objective, batches, recorder, grad_scaler("fp32", CPU), params, tc, CPU, par=par)
+    train_step(fwd_model, objective, batches, recorder, grad_scaler("fp32", CPU), params, tc, CPU, runtime=par)
     return recorder.grads
 
 

@@ -28,6 +28,9 @@ from .families import Family, family_for_config, family_for_model_type
 from .hf_dir import CONFIG, HFWeights, read_hf_config, write_hf_dir
 from .rules import Rule
 from .vocab import VocabMap, hf_special_ids, import_tokenizer
+from ..models.checks import kind_of
+from ..train.checkpoint import step_checkpoints
+from ..train.checkpoint import load_checkpoint
 
 
 @dataclass
@@ -73,7 +76,6 @@ def from_hf(source: str | Path | nn.Module, *, tokenizer: str | Path | None = No
 
     ``tokenizer``: a ``tokenizer.json`` (or a directory with one) to use when the source has
     none (Marian ships only sentencepiece files)."""
-    from ..models.checks import kind_of  # noqa: PLC0415
 
     if not isinstance(source, (str, Path)) and not hasattr(getattr(source, "config", None), "to_dict"):
         raise TypeError(f"source: {kind_of(source)}; expected a Hugging Face model directory or transformers model")
@@ -185,7 +187,6 @@ def to_hf(
     directory: ``config.json``, ``model.safetensors`` and, for a ``tokenizers`` tokenizer,
     ``tokenizer.json`` with a ``tokenizer_config.json``. ``out`` must be new or empty (or,
     with ``overwrite``, is replaced whole), and never the source or a directory around it."""
-    from ..models.checks import kind_of  # noqa: PLC0415
 
     if not isinstance(source, (str, Path)) and not isinstance(getattr(source, "cfg", None), TransformerConfig):
         raise TypeError(f"source: {kind_of(source)}; expected a blockformer checkpoint directory or model")
@@ -197,7 +198,6 @@ def to_hf(
     if isinstance(source, nn.Module):
         model = source
     else:
-        from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
 
         ckpt = load_checkpoint(source)
         model, tokenizer = ckpt.model, ckpt.tokenizer
@@ -250,7 +250,6 @@ def check_target(out: Path, source: Path | None, *, overwrite: bool, flag: str =
 
 def _contents(directory: Path) -> str:
     """What a directory holds, as a few words ('' when it is missing or empty)."""
-    from ..train.checkpoint import step_checkpoints  # noqa: PLC0415
 
     entries = sorted(directory.iterdir()) if directory.is_dir() else []
     if not entries:

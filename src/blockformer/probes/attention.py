@@ -33,6 +33,15 @@ from ..models import build_model
 from ..nn.attention import Attention, AttnInputs
 from ..nn.position import apply_rope
 from .report import ProbeResult, plot_label
+from ..data.images import load_digits_split, pad_images, read_png
+from ..train.checkpoint import load_checkpoint
+from ..models.inputs import patchify
+from ..data.images import DIGIT_SIZE
+from ..tokenizers import BOS_ID
+from ..train.arrays import decode_images
+from ..run_config import load_run_config
+from ..train.checkpoint import read_config
+from ..train.arrays import DigitStrings
 
 
 def recompute(module: Attention, x: torch.Tensor, ctx: AttnInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,14 +127,12 @@ def _model_and_tokens(
 ) -> tuple[nn.Module, Any, list[int], list[int]]:
     """(model, decode-one-token function, source/input ids, target ids)."""
     if checkpoint:
-        from ..train.checkpoint import load_checkpoint  # noqa: PLC0415 - the training stack is optional here
 
         ckpt = load_checkpoint(checkpoint)
         model, tok = ckpt.model, ckpt.tokenizer
         ids, tgt = tok.encode(text), [1] + tok.encode(target)  # tgt_in starts with bos
         return model, lambda i: tok.decode([i]) if i > 3 else "<bos>" if i == 1 else f"<{i}>", ids, tgt
     if preset:
-        from ..run_config import load_run_config  # noqa: PLC0415
 
         cfg = load_run_config(preset=preset).model
     model = build_model(cfg, seed=seed).eval()
@@ -155,7 +162,6 @@ def run(
     source; ``target`` is the decoder's input after bos). Without ``checkpoint``, a random
     model from ``preset`` or the given sizes."""
     if checkpoint:
-        from ..train.checkpoint import read_config  # noqa: PLC0415
 
         if read_config(checkpoint).model.input == "patches":
             return patch_run(checkpoint, image, png)
@@ -243,15 +249,12 @@ def class_token_reads(weights: torch.Tensor, has_cls: bool, n_patches: int) -> t
 
 def patch_run(checkpoint: str, image: int = 0, png: str = "") -> ProbeResult:
     """What the class token of a patch-reading checkpoint attends to, for one image."""
-    from ..data.images import load_digits_split, pad_images, read_png  # noqa: PLC0415
-    from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
 
     ckpt = load_checkpoint(checkpoint)
     cfg, model = ckpt.config.model, ckpt.model
     if png:
         x, truth, source = read_png(png, cfg.image_height, cfg.image_width), None, png
     elif cfg.arch == "encoder-decoder":  # the held-out digit strings it was trained to read
-        from ..train.arrays import DigitStrings  # noqa: PLC0415
 
         images, texts = DigitStrings("test", ckpt.config, ckpt.tokenizer, 1, train=False).heldout(image + 1)
         x, truth, source = images[image], texts[image], f"test string {image}"
@@ -273,7 +276,6 @@ def patch_run(checkpoint: str, image: int = 0, png: str = "") -> ProbeResult:
     records = [r for r in capture(model, call) if not r["cross"]]
     rows_, cols_ = x.shape[-2] // cfg.patch_size, x.shape[-1] // cfg.patch_size
     n = rows_ * cols_
-    from ..models.inputs import patchify  # noqa: PLC0415
 
     ink = patchify(x[None], cfg.patch_size)[0].mean(-1) > INK  # (N,)
     ink_share = float(ink.float().mean())
@@ -319,9 +321,6 @@ def _cross_reads(ckpt: Any, batch: torch.Tensor, mask: torch.Tensor, cols: int,
     the cross-attention (mean over heads) of each character over the patch grid as the
     decoder writes it (the true string, teacher-forced, when it is known; else the greedy
     text), with the share on the patches of its own digit (digits are 8 pixels wide)."""
-    from ..data.images import DIGIT_SIZE  # noqa: PLC0415
-    from ..tokenizers import BOS_ID  # noqa: PLC0415
-    from ..train.arrays import decode_images  # noqa: PLC0415
 
     cfg, model = ckpt.config.model, ckpt.model
     predicted = decode_images(model, ckpt.tokenizer, [batch[0]], cfg.patch_size)[0]

@@ -21,6 +21,7 @@ import torch
 from ..config import TransformerConfig
 from ..models import build_model
 from .report import ProbeResult, plot_label
+from ..errors import UsageError
 
 POSITIONS = ["none", "sinusoidal", "learned", "rope", "alibi", "relative"]
 ARCHS = ["encoder", "decoder"]
@@ -73,7 +74,6 @@ def run(
 ) -> ProbeResult:
     """The permutation error for each (architecture, position, padding) and the order example."""
     if seq_len - pad < 2:
-        from ..errors import UsageError
 
         raise UsageError(f"--seq-len {seq_len} with --pad {pad}: expected at least 2 real tokens to permute")
     g = torch.Generator().manual_seed(seed)

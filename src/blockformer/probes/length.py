@@ -26,6 +26,7 @@ from ..config import TransformerConfig
 from ..models import build_model
 from ..errors import UsageError
 from .report import ProbeResult, parse_ints, pick
+from ..data.sources import iter_texts
 
 SCHEMES = ["none", "sinusoidal", "learned", "rope", "alibi", "relative"]
 EXTENSIONS = {"rope+linear": dict(rope_scaling="linear"), "rope+ntk": dict(rope_scaling="ntk"),
@@ -34,7 +35,6 @@ EXTENSIONS = {"rope+linear": dict(rope_scaling="linear"), "rope+ntk": dict(rope_
 
 def corpus(max_bytes: int) -> torch.Tensor:
     """Bytes of the standard-library sources, as ids 0..255."""
-    from ..data.sources import iter_texts  # noqa: PLC0415
 
     text, size = [], 0
     for piece in iter_texts("stdlib", max_bytes):

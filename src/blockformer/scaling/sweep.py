@@ -22,6 +22,11 @@ from typing import Any, Callable
 from ..config import TransformerConfig
 from ..errors import UsageError
 from ..run_config import RunConfig
+from ..models import build_model
+from ..stats import count_parameters, flops_per_token
+from ..train.checkpoint import read_config, step_checkpoints
+from ..train.loop import train
+from .fit import INTERVAL_SIZES, chinchilla_problem, fit_chinchilla, fit_kaplan, kaplan_problem
 
 POINT = "point.json"
 SUMMARY = "summary.json"
@@ -145,11 +150,6 @@ def run_point(cfg: RunConfig, run_dir: Path, log: Callable[[str], None]) -> Poin
     """Train one point (or resume it), and record it in ``run_dir/point.json``."""
     import torch  # noqa: PLC0415
 
-    from ..models import build_model  # noqa: PLC0415
-    from ..stats import count_parameters, flops_per_token  # noqa: PLC0415
-    from ..train.checkpoint import read_config, step_checkpoints  # noqa: PLC0415
-    from ..train.loop import train  # noqa: PLC0415
-
     resume = run_dir if step_checkpoints(run_dir) else None
     result = train(cfg, run_dir, resume=resume, log=log)
     if result.interrupted:
@@ -198,7 +198,6 @@ def fit_points(points: list[Point], *, bootstrap: int = 100, budget: float | Non
     N and D for ``budget`` FLOPs (default: 10x the largest run). A fit the points cannot
     support (``fit.chinchilla_problem``, ``fit.kaplan_problem``) is skipped, and
     ``summary["skipped"]`` says why: the plot and the report show that instead of a curve."""
-    from .fit import INTERVAL_SIZES, chinchilla_problem, fit_chinchilla, fit_kaplan, kaplan_problem  # noqa: PLC0415
 
     out: dict[str, Any] = {"points": [dataclasses.asdict(p) for p in points], "notes": [], "skipped": {}}
     N, D = [p.parameters for p in points], [p.tokens for p in points]

@@ -25,6 +25,7 @@ from ..data.labelled import LabelledBatch
 from ..generate import greedy_decode
 from .classify import TaskHead
 from .objective import Seq2Seq
+from ..generate import beam_search
 
 if TYPE_CHECKING:
     from ..data.describe import TaskData
@@ -74,7 +75,6 @@ def decode_images(model: nn.Module, tokenizer: Any, images: list[torch.Tensor], 
                   batch_size: int = 64, beam: int = 1) -> list[str]:
     """The text an image-to-text encoder-decoder writes for each image (greedy, or beam
     search with ``beam`` > 1), through the KV cache; at most 2 tokens per patch column."""
-    from ..generate import beam_search  # noqa: PLC0415
 
     out = []
     for i in range(0, len(images), batch_size):

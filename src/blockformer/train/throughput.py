@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..precision import DTYPES
+from .setup import default_cache_dir
 
 PEAK_FILE = "peak.json"
 _CPU_SIZES = (256, 512, 1024, 2048)
@@ -125,6 +126,4 @@ def _read(path: Path) -> dict:
 
 
 def _default_cache_dir() -> Path:
-    from .setup import default_cache_dir  # noqa: PLC0415 - setup imports the data stack
-
     return default_cache_dir()

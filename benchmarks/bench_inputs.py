@@ -75,7 +75,7 @@ def train_preset(preset: str, seed: int, args: argparse.Namespace, work: Path) -
 
 @torch.no_grad()
 def head_accuracy(ckpt, split: str) -> float:
-    from blockformer.train.arrays import array_data
+    from blockformer.data.arrays import array_data
 
     data = array_data(ckpt.config, split)
     right = 0
@@ -173,7 +173,8 @@ def strings(args, seeds, work) -> dict:
     from sklearn.svm import SVC
 
     from blockformer.data.images import load_digits_split
-    from blockformer.train.arrays import DigitStrings, decode_images
+    from blockformer.data.arrays import DigitStrings
+    from blockformer.train.arrays import decode_images
 
     ckpt, info = train_preset("digits-to-text", seeds[0], args, work)
     cfg = ckpt.config

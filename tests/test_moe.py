@@ -397,3 +397,25 @@ def test_compiled_bf16_int8_decoding_of_an_moe_model_keeps_the_float_greedy_toke
     want = generate(build_model(cfg, seed=0).eval(), [[1, 2, 3]], 12, do_sample=False)
     model = prepare_for_decoding(build_model(cfg, seed=0).eval(), "bf16", "int8")
     assert generate(model, [[1, 2, 3]], 12, do_sample=False, compile=True) == want
+
+
+def test_a_task_heads_training_loss_includes_the_routers_aux_loss():
+    """Classification over MoE blocks: the objective's loss is the head's loss plus the
+    routers' aux loss per labelled example, in training only."""
+    import types
+
+    from blockformer.data.labelled import LabelledBatch
+    from blockformer.models.heads import TaskModel, build_head
+    from blockformer.train.classify import TaskHead, head_loss
+
+    cfg = TransformerConfig(arch="encoder", vocab_size=30, d_model=16, n_layers=2, n_heads=2, ffn_experts=4,
+                            experts_top_k=2, router_aux_coef=0.5)
+    model = TaskModel(build_model(cfg, seed=0), build_head("classify", 16, 3, "cls", 0.0)).train()
+    batch = LabelledBatch(torch.randint(4, 30, (4, 6)), torch.ones(4, 6, dtype=torch.bool), torch.tensor([0, 1, 2, 1]))
+    objective = types.SimpleNamespace(task="classify", weights=None, count_targets=lambda b: 4)
+    got = TaskHead.loss(objective, model, batch)
+    plain = head_loss("classify", model(batch.tokens, attention_mask=batch.mask), batch.targets, None, 0.0)
+    torch.testing.assert_close(got, plain + auxiliary_loss(model) * 4)
+    model.eval()
+    torch.testing.assert_close(TaskHead.loss(objective, model, batch),
+                               head_loss("classify", model(batch.tokens, attention_mask=batch.mask), batch.targets, None, 0.0))

@@ -66,7 +66,8 @@ def load_pngs(files: list[Path], cfg: Any) -> list[torch.Tensor]:
 
 
 def run_arrays(args: argparse.Namespace, ckpt: Any, device: Any) -> int:
-    from ..train.arrays import array_data, decode_images, DigitStrings  # noqa: PLC0415
+    from ..data.arrays import DigitStrings, array_data  # noqa: PLC0415
+    from ..train.arrays import decode_images  # noqa: PLC0415
     from ..train.classify import probabilities  # noqa: PLC0415
 
     cfg = ckpt.config

@@ -18,6 +18,13 @@ from .checks import check_int, check_targets
 from .head_layers import HeadTransform
 
 
+def with_auxiliary_loss(model: nn.Module, loss: torch.Tensor, n_targets) -> torch.Tensor:
+    """A summed training ``loss`` over ``n_targets`` targets, plus what the last forward's MoE
+    routers recorded (their weighted balance and z losses), per target; ``loss`` in eval."""
+    aux = auxiliary_loss(model) if model.training else None
+    return loss if aux is None else loss + aux * n_targets
+
+
 class TransformerModel(nn.Module):
     """Base class: subclasses set ``self.cfg`` and build their modules, then call
     ``self._init_weights()``."""
@@ -45,9 +52,7 @@ class TransformerModel(nn.Module):
             h = h * self.cfg.output_scale  # T5 with tied embeddings: d_model^-0.5
         if targets is not None:
             check_targets(targets, h[..., 0], self.cfg.vocab_size, label_smoothing)
-            loss = head_loss(h, self.head, targets, label_smoothing)
-            aux = auxiliary_loss(self) if self.training else None
-            return loss if aux is None else loss + aux * (targets != PAD).sum()
+            return with_auxiliary_loss(self, head_loss(h, self.head, targets, label_smoothing), (targets != PAD).sum())
         return self.head(h)
 
     @torch.no_grad()

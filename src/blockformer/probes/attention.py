@@ -41,7 +41,7 @@ from ..tokenizers import BOS_ID
 from ..train.arrays import decode_images
 from ..run_config import load_run_config
 from ..train.checkpoint import read_config
-from ..train.arrays import DigitStrings
+from ..data.arrays import DigitStrings
 
 
 def recompute(module: Attention, x: torch.Tensor, ctx: AttnInputs) -> tuple[torch.Tensor, torch.Tensor]:

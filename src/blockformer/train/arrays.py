@@ -19,13 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..data.arrays import ArrayData, DigitStrings, array_data  # noqa: F401 - read here by cli/, probes/
+from ..data.arrays import DigitStrings
 from ..data.images import pad_images
 from ..data.labelled import LabelledBatch
-from ..generate import greedy_decode
+from ..generate import beam_search, greedy_decode
 from .classify import TaskHead
 from .objective import Seq2Seq
-from ..generate import beam_search
 
 if TYPE_CHECKING:
     from ..data.describe import TaskData

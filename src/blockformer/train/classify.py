@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.labelled import IGNORE, LabelledBatch, LabelledData
+from ..models.base import with_auxiliary_loss
 from ..run_config import TrainConfig
 from .objective import Objective
 
@@ -110,7 +111,8 @@ class TaskHead(Objective):
 
     def loss(self, model: nn.Module, batch: LabelledBatch, label_smoothing: float = 0.0) -> torch.Tensor:
         out = model(batch.tokens, attention_mask=batch.mask)
-        return head_loss(self.task, out, batch.targets, self.weights, label_smoothing)
+        loss = head_loss(self.task, out, batch.targets, self.weights, label_smoothing)
+        return with_auxiliary_loss(model, loss, self.count_targets(batch))  # a task head over MoE blocks
 
     def count_targets(self, batch: LabelledBatch) -> int:
         return count_head_targets(self.task, batch.targets, batch.n_labelled)

@@ -8,7 +8,8 @@ so the router still gets a gradient from the task loss. Optional shared experts 
 token (DeepSeekMoE, Dai et al. 2024).
 
 Two auxiliary losses keep the router healthy; each forward records them, weighted by
-their coefficients, in ``aux_loss``, and the trainer adds ``auxiliary_loss(model)``:
+their coefficients, in ``aux_loss``, and the model's training loss adds
+``auxiliary_loss(model)`` per target token (``models.base.with_auxiliary_loss``):
 
 - load balancing ``E * sum_e f_e * P_e`` (Switch): ``f_e`` the fraction of tokens that chose
   expert e among their k, ``P_e`` the mean router probability of e, padding left out. It is

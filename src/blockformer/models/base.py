@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,11 +19,14 @@ from .checks import check_int, check_targets
 from .head_layers import HeadTransform
 
 
-def with_auxiliary_loss(model: nn.Module, loss: torch.Tensor, n_targets) -> torch.Tensor:
-    """A summed training ``loss`` over ``n_targets`` targets, plus what the last forward's MoE
-    routers recorded (their weighted balance and z losses), per target; ``loss`` in eval."""
-    aux = auxiliary_loss(model) if model.training else None
-    return loss if aux is None else loss + aux * n_targets
+def with_auxiliary_loss(model: nn.Module, loss: torch.Tensor, n_targets: Any) -> torch.Tensor:
+    """A summed training ``loss`` over ``n_targets`` targets (a count, or a function counting
+    them when needed), plus what the last forward's MoE routers recorded (their weighted
+    balance and z losses) per target; ``loss`` itself in eval and without MoE."""
+    aux = auxiliary_loss(model) if getattr(model, "training", False) else None
+    if aux is None:
+        return loss
+    return loss + aux * (n_targets() if callable(n_targets) else n_targets)
 
 
 class TransformerModel(nn.Module):

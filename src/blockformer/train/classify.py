@@ -112,7 +112,7 @@ class TaskHead(Objective):
     def loss(self, model: nn.Module, batch: LabelledBatch, label_smoothing: float = 0.0) -> torch.Tensor:
         out = model(batch.tokens, attention_mask=batch.mask)
         loss = head_loss(self.task, out, batch.targets, self.weights, label_smoothing)
-        return with_auxiliary_loss(model, loss, self.count_targets(batch))  # a task head over MoE blocks
+        return with_auxiliary_loss(model, loss, lambda: self.count_targets(batch))  # a task head over MoE blocks
 
     def count_targets(self, batch: LabelledBatch) -> int:
         return count_head_targets(self.task, batch.targets, batch.n_labelled)

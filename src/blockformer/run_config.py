@@ -69,7 +69,7 @@ class DataConfig:
     labels: str = ""  # text<TAB>label lines, or JSONL with "text" and "label"
     val_labels: str = ""  # its held-out file; by default val_fraction of `labels` is held out
     # --- arrays for other inputs (model.input patches/frames): data sets a Python package ships
-    dataset: str = ""  # digits | digit-strings (scikit-learn) | japanese-vowels (sktime); see train/arrays.py
+    dataset: str = ""  # digits | digit-strings (scikit-learn) | japanese-vowels (sktime); see data/arrays.py
     shift: int = 0  # images: training images moved by up to this many pixels each way
     max_digits: int = 4  # digit-strings: 1..max_digits digits side by side per image
     rotate: float = 0.0  # images: training images rotated by up to this many degrees each way

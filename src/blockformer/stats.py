@@ -16,6 +16,8 @@ from torch import nn
 from .config import TransformerConfig
 from .errors import UsageError
 from .models.checks import check_config, check_int, check_model
+from .nn.moe import moe_layers
+from .models import build_model
 
 
 def count_parameters(model: nn.Module, *, trainable_only: bool = False, exclude_embeddings: bool = False) -> int:
@@ -59,7 +61,6 @@ def block_weights(cfg: TransformerConfig) -> int:
 def active_parameters(model: nn.Module, cfg: TransformerConfig) -> int:
     """Parameters one token uses: all of them, less the experts it is not routed to
     (E - k of each MoE layer's E experts). Equal to ``count_parameters`` for a dense model."""
-    from .nn.moe import moe_layers  # noqa: PLC0415
 
     idle = 0
     for m in moe_layers(model):
@@ -93,7 +94,6 @@ def memory_estimate(cfg: TransformerConfig, batch_size: int, seq_len: int, *, by
     17 values per width unit here. Scores are stored only when attention dropout is on (the
     fused kernel keeps none); then this implementation keeps 3 values per score (softmax
     output, dropout mask and output), as measured in tests/test_stats.py."""
-    from .models import build_model  # noqa: PLC0415 - avoids an import cycle
     import torch
 
     check_config(cfg)
@@ -150,7 +150,6 @@ def _combine(acc: Any, step: Any, base: Any, times: int) -> Any:
 
 def _measured(cfg: Any, batch_size: int, seq_len: int) -> dict[str, Any]:
     """The figures of ``cfg``, from a model built on the meta device (no memory allocated)."""
-    from .models import build_model  # noqa: PLC0415 - as memory_estimate
     import torch  # noqa: PLC0415
 
     try:

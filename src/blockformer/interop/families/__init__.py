@@ -28,13 +28,14 @@ from .base import (  # noqa: F401 - the shared helpers, still importable from he
     refuse,
     text,
 )
+from . import bart, bert, gpt2, llama, t5  # each family module reads the helpers from .base
+
+
+_FAMILIES = [gpt2.FAMILY, llama.FAMILY, bert.FAMILY, t5.FAMILY, bart.BART, bart.MARIAN]
 
 
 def _registry() -> dict[str, Family]:
-    from . import bart, bert, gpt2, llama, t5  # noqa: PLC0415
-
-    families = [gpt2.FAMILY, llama.FAMILY, bert.FAMILY, t5.FAMILY, bart.BART, bart.MARIAN]
-    return {t: f for f in families for t in f.model_types}
+    return {t: f for f in _FAMILIES for t in f.model_types}
 
 
 def family_for_model_type(model_type: Any, where: str) -> Family:

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 # RAM check) are arithmetic that training and parallel planning need too: they live in stats
 # and are re-exported here under their old names.
 from .. import stats as _stats
+from ..data.describe import make_task_for
 from ..stats import (  # noqa: F401
     EXACT_LAYERS,
     check_fits_in_memory,
@@ -74,8 +75,6 @@ def measure(fn: Callable[[], Any]) -> dict[str, Any]:
 
 
 def check_run_fits(cfg: Any, device: Any, make_task: Callable[[Any], Any] | None = None) -> None:
-    """``stats.check_run_fits`` with its old signature: ``make_task`` defaults to the
-    trainer's ``make_task_for`` (the trainer itself passes it in, and imports nothing here)."""
-    if make_task is None:
-        from ..train.setup import make_task_for as make_task  # noqa: PLC0415
-    _stats.check_run_fits(cfg, device, make_task)
+    """``stats.check_run_fits`` with its old signature: ``make_task`` defaults to
+    ``data.make_task_for`` (the trainer itself passes it in, and imports nothing here)."""
+    _stats.check_run_fits(cfg, device, make_task or make_task_for)

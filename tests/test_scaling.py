@@ -99,6 +99,7 @@ def test_sweep_rejects_a_seq2seq_recipe(capsys):
 
 
 def test_an_interrupted_point_resumes_from_its_last_checkpoint(tmp_path, monkeypatch):
+    import blockformer.scaling.sweep as sweep
     import blockformer.train.loop as loop
     from blockformer.run_config import load_run_config
     from blockformer.scaling.sweep import ensure_point, point_config, point_name
@@ -113,7 +114,7 @@ def test_an_interrupted_point_resumes_from_its_last_checkpoint(tmp_path, monkeyp
     loop.train(cfg, run_dir, stop_at=3, log=lambda *a: None)  # interrupted after 3 steps
     seen = []
     real_train = loop.train
-    monkeypatch.setattr(loop, "train", lambda *a, **kw: seen.append(kw.get("resume")) or real_train(*a, **kw))
+    monkeypatch.setattr(sweep, "train", lambda *a, **kw: seen.append(kw.get("resume")) or real_train(*a, **kw))
     point = ensure_point(base, 32, 1, 512, tmp_path / "points", log=lambda *a: None)
     assert seen == [run_dir] and point.steps == 8 and point.tokens == 512
 

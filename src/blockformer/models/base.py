@@ -56,7 +56,8 @@ class TransformerModel(nn.Module):
             h = h * self.cfg.output_scale  # T5 with tied embeddings: d_model^-0.5
         if targets is not None:
             check_targets(targets, h[..., 0], self.cfg.vocab_size, label_smoothing)
-            return with_auxiliary_loss(self, head_loss(h, self.head, targets, label_smoothing), (targets != PAD).sum())
+            loss = head_loss(h, self.head, targets, label_smoothing)
+            return with_auxiliary_loss(self, loss, lambda: (targets != PAD).sum())  # counted only with MoE
         return self.head(h)
 
     @torch.no_grad()

@@ -154,12 +154,20 @@ class _Run:
     bar: Any = None
     lr: float = 0.0
     pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (step, loss on the device)
-    window: list[float] = field(default_factory=lambda: [time.perf_counter(), 0, 0])  # t0, tokens, targets
+    window: _Window = field(default_factory=lambda: _Window())
     result: TrainResult | None = None
 
-    @property
-    def params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
+    def __post_init__(self) -> None:
+        self.params = [p for p in self.model.parameters() if p.requires_grad]  # what the optimizer updates
+
+
+@dataclass
+class _Window:
+    """Training time and tokens since the last log line (evaluation time left out)."""
+
+    t0: float = field(default_factory=time.perf_counter)
+    tokens: int = 0
+    targets: int = 0
 
 
 def _start(cfg: RunConfig, run_dir: Path, runtime: Any, *, resume, overwrite: bool, log: Any) -> _Run:
@@ -245,7 +253,7 @@ def _loop(run: _Run, stop_at: int | None) -> TrainResult:
     last = tc.steps if stop_at is None else min(stop_at, tc.steps)
     run.bar = _progress(tc, run.step, last) if run.runtime.is_main else None
     deadline = time.monotonic() + 60 * tc.max_minutes if tc.max_minutes else float("inf")
-    run.window = [time.perf_counter(), 0, 0]
+    run.window = _Window()
     with Stopper() as stopper:
         while run.step < last and not stopper.requested and time.monotonic() < deadline:
             _step(run)
@@ -270,8 +278,8 @@ def _step(run: _Run) -> None:
     run.pending.append((run.step + 1, loss))  # a non-finite one made no update; counted when read
     run.scheduler.step()
     run.step += 1
-    run.window[1] += sum(objective.count_tokens(b) for b in batches)  # host ints: no sync
-    run.window[2] += sum(objective.count_targets(b) for b in batches)
+    run.window.tokens += sum(objective.count_tokens(b) for b in batches)  # host ints: no sync
+    run.window.targets += sum(objective.count_targets(b) for b in batches)
     if run.bar is not None:
         run.bar.update(1)
 
@@ -281,10 +289,9 @@ def _log(run: _Run) -> None:
     losses = _read(run)
     run.pending.clear()
     run.result.losses.extend(losses)
-    t0, tokens, targets = run.window
-    elapsed = max(time.perf_counter() - t0, 1e-9)
-    tok_s = tokens / elapsed
-    util = utilisation(run.flops_per_token, targets, elapsed, run.peak)
+    elapsed = max(time.perf_counter() - run.window.t0, 1e-9)
+    tok_s = run.window.tokens / elapsed
+    util = utilisation(run.flops_per_token, run.window.targets, elapsed, run.peak)
     finite = [x for x in losses if math.isfinite(x)]  # skipped steps (train.nonfinite=skip) are nan
     loss = sum(finite) / len(finite) if finite else float("nan")
     run.metrics.write({"split": "train", "step": run.step, "loss": loss, "lr": run.lr, "tokens_per_s": tok_s,
@@ -292,7 +299,7 @@ def _log(run: _Run) -> None:
     if run.bar is not None:
         run.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{run.lr:.2e}", tok_s=f"{tok_s:,.0f}",
                             mfu=f"{100 * util.get('mfu', 0):.1f}%")
-    run.window = [time.perf_counter(), 0, 0]
+    run.window = _Window()
 
 
 def _evaluate_and_save(run: _Run) -> None:
@@ -300,7 +307,7 @@ def _evaluate_and_save(run: _Run) -> None:
     t_eval = time.perf_counter()
     run.result.val = _checked_eval(run)
     run.result.checkpoint = _save(run, run.result.val)
-    run.window[0] += time.perf_counter() - t_eval  # tokens/s counts training time only
+    run.window.t0 += time.perf_counter() - t_eval  # tokens/s counts training time only
 
 
 def _finish(run: _Run) -> None:

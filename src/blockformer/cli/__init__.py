@@ -9,9 +9,12 @@ nothing a user did wrong ends in a traceback. ``EXIT_CODES`` lists every exit st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
 import warnings
 
 from ..schema import suggest
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = argv[0]
     try:  # the import loads torch, which takes seconds: a Ctrl-C then is an interrupt too
-        module = importlib.import_module(f".{COMMANDS[name][0]}", __name__)
+        with _interrupts_held():
+            module = importlib.import_module(f".{COMMANDS[name][0]}", __name__)
     except KeyboardInterrupt:
         print(f"blockformer {name}: interrupted", file=sys.stderr)
         return 130
@@ -106,6 +110,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"blockformer {name}: interrupted", file=sys.stderr)
         return 130
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """A SIGINT during the block is held and raised as KeyboardInterrupt when it ends. Raised
+    inside torch's C++ import instead, it can abort the process (pybind11's
+    ``error_already_set``) or be lost, and the command would run on."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def _out_of_memory(e: RuntimeError) -> bool:

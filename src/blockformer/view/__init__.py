@@ -1,0 +1,12 @@
+"""The local web view over runs, checkpoints and (later) the engine: ``blockformer view``.
+
+Pages read what exists through the public Python API (``runs.py``: run directories and
+their ``metrics.jsonl``; ``checkpoints.py``: a checkpoint's attention, next tokens and
+generations) and add presentation only. ``app.create_app`` is the FastAPI app;
+``export.export`` writes the runs and attention pages as static files.
+"""
+
+from .app import create_app
+from .export import export
+
+__all__ = ["create_app", "export"]

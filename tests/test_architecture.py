@@ -27,6 +27,7 @@ LAYERS = [
     ("processes", {"parallel"}),
     ("training", {"train"}),
     ("around a trained model", {"interop", "probes", "scaling"}),
+    ("views", {"view"}),
     ("commands", {"cli", "__main__", "__init__"}),
 ]
 LAYER_OF = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}

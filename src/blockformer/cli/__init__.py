@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("convert", "import a Hugging Face checkpoint (--from-hf) or export one (--to-hf)"),
     "probe": ("probe", "run one of the seed's claims as an experiment (toy, equivariance, ...)"),
     "sweep": ("sweep", "train a grid of sizes x token budgets and fit scaling laws to it"),
+    "view": ("view", "a local web view of runs (live curves, configs), attention, next tokens; --export DIR"),
 }
 
 

@@ -59,7 +59,7 @@ def _load(path: Path) -> Checkpoint:
         raise
     except (ValueError, KeyError, TypeError, OSError, RuntimeError) as e:
         text = " ".join(str(e).split()) or type(e).__name__
-        raise UsageError(f"{path.name}: cannot be loaded ({text[:300]}); expected a checkpoint written by "
+        raise UsageError(f"{path}: cannot be loaded ({text[:300]}); expected a checkpoint written by "
                          f"`blockformer train`") from None
 
 

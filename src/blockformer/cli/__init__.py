@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "train a model from a config, a preset and --set overrides"),
     "generate": ("generate", "generate text from a checkpoint"),
     "translate": ("translate", "translate lines with an encoder-decoder checkpoint"),
+    "serve": ("serve", "serve a checkpoint over OpenAI-compatible HTTP (completions, chat, embeddings)"),
     "eval": ("evaluate", "evaluate a checkpoint: loss/perplexity, or BLEU/chrF against references"),
     "predict": ("predict", "labels and probabilities for texts from a task-head checkpoint"),
     "info": ("info", "parameters, FLOPs per token and memory for a checkpoint or preset"),

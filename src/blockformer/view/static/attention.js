@@ -22,6 +22,7 @@ async function start() {
     document.getElementById("target").value = STATIC.target || "";
   }
   try { await fillCheckpoints(select); } catch (e) { say(e.message); return; }
+  const asked = STATIC ? new URLSearchParams() : fromURL(["checkpoint", "text", "target"]);
   if (STATIC) {
     select.value = STATIC.checkpoint || select.value;
     showTarget();
@@ -30,7 +31,7 @@ async function start() {
     return;
   }
   showTarget();
-  if (select.value) show();
+  if (select.value && (asked.has("text") || !asked.has("checkpoint"))) show();
 }
 
 function showTarget() {
@@ -94,13 +95,15 @@ function headView() {
   el("text", {x: left - 8, y: 12, "text-anchor": "end", fill: "#777"}, "queries");
   el("text", {x: right + 8, y: 12, fill: "#777"}, "keys");
   const lines = [];
+  const top1 = Math.max(...heads.map(h => Math.max(...layer.weights[h].flat())));  // opacity relative to it
   for (const h of heads) {
     const w = layer.weights[h];
     for (let q = 0; q < layer.queries.length; q++) for (let k = 0; k < layer.keys.length; k++) {
-      if (w[q][k] < 0.01) continue;
+      const r = w[q][k] / top1;
+      if (r < 0.02) continue;
       const line = el("line", {x1: left, y1: top + q * rowH + rowH / 2, x2: right, y2: top + k * rowH + rowH / 2,
-        stroke: HEAD_COLOURS[h % HEAD_COLOURS.length], "stroke-width": 3 * w[q][k],
-        "stroke-opacity": Math.min(1, 0.15 + w[q][k])});
+        stroke: HEAD_COLOURS[h % HEAD_COLOURS.length], "stroke-width": 0.5 + 2.5 * r,
+        "stroke-opacity": r});
       line.dataset.q = q; line.dataset.k = k;
       lines.push(line);
     }
@@ -139,7 +142,7 @@ function heatmaps() {
       box.appendChild(div);
       const z = w.map((row, q) => row.map((v, k) => layer.kind === "causal" && k > q ? null : v));
       Plotly.newPlot(div, [{type: "heatmap", z, x: layer.keys.map((t, k) => `${k}:${label(t)}`),
-        y: layer.queries.map((t, q) => `${q}:${label(t)}`), zmin: 0, zmax: 1, colorscale: "Viridis",
+        y: layer.queries.map((t, q) => `${q}:${label(t)}`), zmin: 0, colorscale: "Viridis",
         showscale: false, hovertemplate: "query %{y}<br>key %{x}<br>weight %{z:.4f}<extra></extra>"}],
         {title: {text: `${layer.module.replace(/\.attn$/, "")} h${h}`, font: {size: 11}},
           margin: {t: 24, r: 4, b: 4, l: 4}, xaxis: {visible: false}, yaxis: {visible: false, autorange: "reversed"},

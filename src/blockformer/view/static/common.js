@@ -63,6 +63,13 @@ async function fillCheckpoints(select, wanted) {
   return list;
 }
 
+// Fill the form fields named in the page's URL (?checkpoint=...&text=...): a link shows what it names.
+function fromURL(ids) {
+  const params = new URLSearchParams(window.location.search);
+  for (const id of ids) if (params.has(id)) document.getElementById(id).value = params.get(id);
+  return params;
+}
+
 function fmt(x, digits = 4) {
   if (x === null || x === undefined) return "";
   if (typeof x !== "number") return String(x);

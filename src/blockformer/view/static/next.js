@@ -10,7 +10,8 @@ async function start() {
   try {
     await fillCheckpoints(document.getElementById("checkpoint"), c => c.arch === "decoder");
   } catch (e) { say(e.message); return; }
-  if (document.getElementById("checkpoint").value) show();
+  const asked = fromURL(["checkpoint", "text", "k"]);
+  if (document.getElementById("checkpoint").value && (asked.has("text") || !asked.has("checkpoint"))) show();
 }
 
 async function show() {

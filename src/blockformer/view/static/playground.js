@@ -12,6 +12,7 @@ async function start() {
   try {
     await fillCheckpoints(document.getElementById("checkpoint"), c => c.arch === "decoder");
   } catch (e) { say(e.message); }
+  fromURL(["checkpoint", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed"]);
 }
 
 function colour(prob) {

@@ -41,6 +41,8 @@ HeadTask = Literal["none", "classify", "multilabel", "tokens", "regress"]
 Pooling = Literal["auto", "cls", "mean", "last"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 Checkpointing = Literal["none", "full", "selective"]
+ReportTo = Literal["jsonl", "tensorboard"]  # train.report_to's entries (train/tracking.py)
+REPORT_TO: tuple[str, ...] = get_args(ReportTo)
 
 
 @dataclass
@@ -162,9 +164,12 @@ class TrainConfig:
     head_lr: float = 0.0  # the task head's peak lr; 0 = train.lr
     # Memory: recompute activations in the backward pass (blockformer.parallel.activation).
     activation_checkpointing: Checkpointing = "none"  # full: every block; selective: all but matmuls
+    # --- tracking (issue 24): metrics.jsonl is always written; "tensorboard" adds <run_dir>/tensorboard/
+    report_to: list[str] = field(default_factory=lambda: ["jsonl"])
 
     def __post_init__(self) -> None:
         check_types(self, SECTION_OF[type(self).__name__])
+        _check_report_to(self.report_to)
         for name in ("mask_rate", "mask_token_rate", "random_token_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise UsageError(f"train.{name}={getattr(self, name)!r}: expected a float in [0, 1]")
@@ -207,6 +212,17 @@ class TrainConfig:
                              f"not empty, no / or \\, not . or ..; use --out DIR for another place")
         if self.schedule == "noam" and self.warmup == 0:
             raise UsageError("train.warmup=0: expected an integer >= 1 with schedule='noam'")
+
+
+def _check_report_to(value: Any) -> None:
+    """A list of known reporters; a typo names the closest one, so a run is not trained unlogged."""
+    expected = "a list of " + ", ".join(map(repr, REPORT_TO)) + " (jsonl is always written)"
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UsageError(f"train.report_to={value!r}: expected {expected}")
+    for entry in value:
+        if entry not in REPORT_TO:
+            raise UsageError(f"train.report_to={value!r}: unknown entry {entry!r}{suggest(entry, list(REPORT_TO))}; "
+                             f"expected {expected}")
 
 
 def _positive(obj: Any, *names: str) -> None:
@@ -395,9 +411,22 @@ def _convert(raw: str, hint: Any) -> Any:
         return float(raw)
     if hint is str:
         return raw
-    if get_origin(hint) is list:  # --set train.sample_prompts="def ,class "
-        return [_convert(part, get_args(hint)[0]) for part in raw.split(",")]
+    if get_origin(hint) is list:  # --set train.sample_prompts="def ,class ", or a TOML array
+        return [_convert(part, get_args(hint)[0]) for part in _list_parts(raw)]
     raise ValueError(raw)
+
+
+def _list_parts(raw: str) -> list[str]:
+    """A TOML array of strings (``["jsonl","tensorboard"]``, as a TOML file spells the list)
+    as its entries; anything else (a prompt such as ``[INST]``) split at its commas."""
+    if raw.startswith("[") and raw.endswith("]"):
+        try:
+            value = loads_toml(f"v = {raw}").get("v")
+        except tomllib.TOMLDecodeError:
+            value = None
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+    return raw.split(",")
 
 
 def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from ..errors import UsageError
 from ..run_config import RunConfig, load_run_config, parse_override, preset_names
 from ..train.checkpoint import read_config, resolve_checkpoint
 from ..train.metrics import PLOT
+from ..train.tracking import append_tracker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,11 +128,7 @@ def report(result, cfg: RunConfig) -> None:
         return
     if cfg.model.arch == "decoder" and cfg.train.samples > 0:
         print(f"\nsamples ({cfg.train.sample_tokens} tokens, temperature 0.8, top-k 50):")
-        try:
-            texts = lm_samples(ckpt, cfg)
-        except (UsageError, ValueError) as e:  # the run is saved: a sample must never fail it
-            texts = [f"(no samples: {e})"]
-        for text in texts:
+        for text in _reported_samples(ckpt, cfg, result):
             print("-" * 60 + "\n" + text)
         print("-" * 60)
     elif cfg.data.kind == "task":
@@ -156,6 +153,19 @@ def report(result, cfg: RunConfig) -> None:
     print(f"  blockformer eval --checkpoint {q}{_eval_data(cfg)}")
     print(f"  blockformer info --checkpoint {q}")
     print(f"  blockformer train --resume {shlex.quote(str(run_dir))} --set train.steps={2 * cfg.train.steps}")
+
+
+def _reported_samples(ckpt, cfg: RunConfig, result) -> list[str]:
+    """``lm_samples``, also into the run's TensorBoard events (``train.report_to``), or the
+    reason there are none: the run is saved, and a sample must never fail it."""
+    try:
+        texts = lm_samples(ckpt, cfg)
+    except (UsageError, ValueError) as e:
+        return [f"(no samples: {e})"]
+    with append_tracker(result.run_dir, cfg.train.report_to) as tracker:  # TensorBoard's Text tab
+        for i, text in enumerate(texts):
+            tracker.text(f"samples/{i}", text, result.step)
+    return texts
 
 
 def _eval_data(cfg: RunConfig) -> str:

@@ -26,6 +26,7 @@ from ..models import build_model
 from ..stats import count_parameters, flops_per_token
 from ..train.checkpoint import read_config, step_checkpoints
 from ..train.loop import train
+from ..train.tracking import append_tracker
 from .fit import INTERVAL_SIZES, chinchilla_problem, fit_chinchilla, fit_kaplan, kaplan_problem
 
 POINT = "point.json"
@@ -165,6 +166,8 @@ def run_point(cfg: RunConfig, run_dir: Path, log: Callable[[str], None]) -> Poin
         flops=flops_per_token(m, cfg.data.seq_len) * tokens, val_loss=result.val["val_loss"], run_dir=str(run_dir),
     )
     (run_dir / POINT).write_text(json.dumps(dataclasses.asdict(point), indent=2) + "\n")
+    with append_tracker(run_dir, cfg.train.report_to) as tracker:  # sweep/val_loss, sweep/parameters, ...
+        tracker.write({"split": "sweep", "step": point.steps, **dataclasses.asdict(point)})
     return point
 
 

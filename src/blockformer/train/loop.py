@@ -57,7 +57,7 @@ from .checkpoint import (
 from .compile import compile_loss, resolve_compile
 from .finetune import lr_scale
 from .finite import diverged_message, finite_weights, restore_finite
-from .metrics import MetricsLog, perplexity, plot_losses
+from .metrics import perplexity, plot_losses
 from .optim import build_optimizer, kernel_kept
 from .rng import get_rng_state, set_rng_state
 from .run_dir import CONFIG_TOML, RunLock, clear_previous_run, main_process, prepare
@@ -66,6 +66,7 @@ from .setup import build_run
 from .step import train_step
 from .stopper import Stopper
 from .throughput import format_flops, peak_flops, utilisation
+from .tracking import Tracker, check_reporters, open_tracker
 
 __all__ = ["train", "train_step", "TrainResult", "NonFiniteLoss", "get_rng_state", "set_rng_state"]
 
@@ -120,7 +121,8 @@ def train(
         if cleaned:
             log(f"{run_dir}: removed {len(cleaned)} temporary entries left by an interrupted run")
         run = _start(cfg, run_dir, runtime, resume=resume, overwrite=overwrite, log=log)
-        return _loop(run, stop_at)
+        with run.tracker:  # event files flushed and closed on every way out: an error, Ctrl-C
+            return _loop(run, stop_at)
     finally:
         if lock.held:
             lock.release()
@@ -147,7 +149,7 @@ class _Run:
     best_loss: float = float("inf")
     good: Path | None = None  # the last checkpoint known finite; skip mode goes back to it
     initial: list[torch.Tensor] | None = None  # ... or, before the first, the weights at the start
-    metrics: Any = None
+    tracker: Tracker = field(default_factory=Tracker)  # metrics.jsonl and train.report_to's reporters
     loss_fn: Any = None
     flops_per_token: float = 0.0
     peak: float | None = None
@@ -168,11 +170,13 @@ class _Window:
     t0: float = field(default_factory=time.perf_counter)
     tokens: int = 0
     targets: int = 0
+    norms: list[torch.Tensor] = field(default_factory=list)  # each step's gradient norm, on the device
 
 
 def _start(cfg: RunConfig, run_dir: Path, runtime: Any, *, resume, overwrite: bool, log: Any) -> _Run:
     """Tokenizer, model, objective, optimizer and schedule, fresh or restored from ``resume``."""
     device, main = runtime.device, runtime.is_main
+    check_reporters(cfg.train.report_to)
     if runtime.parallel:
         log = log if main else _quiet
         log(f"parallel: {runtime.describe()}")
@@ -202,10 +206,11 @@ def _start(cfg: RunConfig, run_dir: Path, runtime: Any, *, resume, overwrite: bo
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         replace_file(run_dir / CONFIG_TOML, cfg.to_toml().encode("utf-8"))
-    run.metrics = MetricsLog(run_dir, resume_step=run.step if state is not None else None) if main else _NoMetrics()
     # One process: model + loss compiled as one static graph; a parallel run compiles per block.
     run.loss_fn = compile_loss(run.objective) if tc.compile and not runtime.parallel else None
     _announce(run, requested)
+    if main:  # last: nothing after it can fail and leave its files open
+        run.tracker = open_tracker(run_dir, cfg, resume_step=run.step if state is not None else None)
     return run
 
 
@@ -272,7 +277,7 @@ def _step(run: _Run) -> None:
     batches = [objective.next_batch() for _ in range(run.tc.grad_accum)]
     run.lr = run.scheduler.get_last_lr()[0]
     loss = train_step(run.fwd_model, objective, batches, run.optimizer, run.scaler, run.params, run.tc, device,
-                      check_finite=True, runtime=run.runtime, loss_fn=run.loss_fn)
+                      check_finite=True, runtime=run.runtime, loss_fn=run.loss_fn, norms=run.window.norms)
     if loss is None:  # non-finite, seen on the host
         loss = torch.full((), float("nan"), device=device)
     run.pending.append((run.step + 1, loss))  # a non-finite one made no update; counted when read
@@ -285,17 +290,19 @@ def _step(run: _Run) -> None:
 
 
 def _log(run: _Run) -> None:
-    """The mean training loss since the last log, tokens/s and utilisation, to the metrics."""
+    """The mean training loss and gradient norm since the last log, tokens/s and utilisation,
+    to the metrics."""
     losses = _read(run)
     run.pending.clear()
     run.result.losses.extend(losses)
     elapsed = max(time.perf_counter() - run.window.t0, 1e-9)
     tok_s = run.window.tokens / elapsed
     util = utilisation(run.flops_per_token, run.window.targets, elapsed, run.peak)
-    finite = [x for x in losses if math.isfinite(x)]  # skipped steps (train.nonfinite=skip) are nan
-    loss = sum(finite) / len(finite) if finite else float("nan")
-    run.metrics.write({"split": "train", "step": run.step, "loss": loss, "lr": run.lr, "tokens_per_s": tok_s,
-                       **util, **training_metrics(run.model)})
+    loss = _finite_mean(losses)  # skipped steps (train.nonfinite=skip) are nan
+    norms = torch.stack(run.window.norms).tolist() if run.window.norms else []  # computed: no wait
+    norm = {"grad_norm": _finite_mean(norms)} if norms else {}  # before clipping
+    run.tracker.write({"split": "train", "step": run.step, "loss": loss, "lr": run.lr, **norm,
+                       "tokens_per_s": tok_s, **util, **training_metrics(run.model)})
     if run.bar is not None:
         run.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{run.lr:.2e}", tok_s=f"{tok_s:,.0f}",
                             mfu=f"{100 * util.get('mfu', 0):.1f}%")
@@ -308,6 +315,7 @@ def _evaluate_and_save(run: _Run) -> None:
     run.result.val = _checked_eval(run)
     run.result.checkpoint = _save(run, run.result.val)
     run.window.t0 += time.perf_counter() - t_eval  # tokens/s counts training time only
+    run.tracker.flush()  # what TensorBoard shows of a live run is at most one evaluation old
 
 
 def _finish(run: _Run) -> None:
@@ -375,7 +383,7 @@ def _checked_eval(run: _Run) -> dict[str, float]:
         if attempt:  # restoring did not help: the checkpoint itself is bad
             raise NonFiniteLoss(diverged_message(what, run.step, run.tc, run.good, run.runtime.parallel))
         _back_to_good(run, what)
-    run.metrics.write({"split": "val", "step": run.step, **val})
+    run.tracker.write({"split": "val", "step": run.step, **val})
     text = "  ".join(f"{k} {v:.4g}" for k, v in val.items())
     (run.bar.write if run.bar is not None else run.log)(f"step {run.step}: {text}")
     return val
@@ -424,6 +432,6 @@ def _quiet(*args, **kwargs) -> None:
     """The log of every rank but rank 0."""
 
 
-class _NoMetrics:
-    def write(self, record: dict) -> None:
-        pass
+def _finite_mean(values: list[float]) -> float:
+    finite = [x for x in values if math.isfinite(x)]
+    return sum(finite) / len(finite) if finite else float("nan")

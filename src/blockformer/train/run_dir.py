@@ -9,9 +9,10 @@ is told whom to ask. ``check_fresh`` refuses a fresh run into a directory that a
 holds something, naming the ways forward.
 
 Nothing is written through a link: ``check_links`` refuses a run directory where one of
-the trainer's names (``config.toml``, ``metrics.jsonl``, ``loss.png``, ``step-*``) is a
-symbolic link, or ``best`` links anywhere but to a checkpoint beside it; ``replace_file``
-writes a whole file by renaming a new one over the name, which replaces a link itself.
+the trainer's names (``config.toml``, ``metrics.jsonl``, ``loss.png``, ``tensorboard``,
+``step-*``) is a symbolic link, or ``best`` links anywhere but to a checkpoint beside it;
+``replace_file`` writes a whole file by renaming a new one over the name, which replaces a
+link itself.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..textformats import loads_json
 from ..paths import TMP_TAG, TRASH_TAG, check_writable_dir, replace_file, unlink_if_present as _unlink
 from .checkpoint import BEST, discard, recover, step_checkpoints
 from .metrics import METRICS, PLOT
+from .tracking import TENSORBOARD
 
 LOCK = ".lock"
 CONFIG_TOML = "config.toml"  # the run config, as the run was last started
@@ -163,7 +165,8 @@ def check_fresh(run_dir: Path, overwrite: bool) -> None:
 
 
 def clear_previous_run(run_dir: Path, log: Any = print) -> None:
-    """``--overwrite``: remove an earlier run's checkpoints, ``best`` and metrics (only those)."""
+    """``--overwrite``: remove an earlier run's checkpoints, ``best`` and metrics (only those;
+    its TensorBoard events too, which would otherwise be shown as the new run's)."""
 
     old = step_checkpoints(run_dir)
     if old:
@@ -175,6 +178,8 @@ def clear_previous_run(run_dir: Path, log: Any = print) -> None:
         discard(p)
     for name in (METRICS, PLOT):
         _unlink(run_dir / name)
+    if (run_dir / TENSORBOARD).is_dir():  # never a link here: check_links refused one
+        discard(run_dir / TENSORBOARD)
 
 
 def check_links(run_dir: Path) -> None:
@@ -189,7 +194,7 @@ def check_links(run_dir: Path) -> None:
             continue
         if p.name == BEST and re.fullmatch(r"step-\d+", os.readlink(p)):
             continue
-        if p.name in (CONFIG_TOML, METRICS, PLOT, BEST) or re.fullmatch(r"step-\d+", p.name):
+        if p.name in (CONFIG_TOML, METRICS, PLOT, BEST, TENSORBOARD) or re.fullmatch(r"step-\d+", p.name):
             raise UsageError(
                 f"{p}: is a symbolic link (to {os.readlink(p)}); the trainer writes this name and never "
                 f"through a link: expected a plain file or directory there (remove the link)"

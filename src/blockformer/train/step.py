@@ -32,6 +32,7 @@ def train_step(
     runtime: Any = None,
     *,
     loss_fn: LossFn | None = None,
+    norms: list[torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """One optimizer update from ``batches`` (the micro-batches of gradient accumulation);
     returns the mean loss per target token. With ``check_finite``, a NaN or infinite loss or
@@ -39,7 +40,8 @@ def train_step(
     ``found_inf`` input, as ``GradScaler`` uses it) and the loss comes back non-finite, with
     no host sync; otherwise the host checks and None comes back (fp16: the loss only; its
     scaler skips inf gradients). ``loss_fn`` replaces ``objective.loss`` (the compiled one,
-    under ``train.compile``). In a parallel run ``batches`` are global."""
+    under ``train.compile``). ``norms`` gets the gradients' global norm before clipping (a
+    device tensor: no sync) for the metrics. In a parallel run ``batches`` are global."""
     runtime = runtime or Local(device)
     model.train()
     n_targets = sum(objective.count_targets(b) for b in batches)
@@ -47,7 +49,7 @@ def train_step(
         total = runtime.pipeline.step(batches, n_targets, tc)
     else:
         total = _backward(model, objective, batches, n_targets, scaler, tc, device, runtime, loss_fn)
-    return _update(optimizer, scaler, params, tc, total, n_targets, check_finite, runtime)
+    return _update(optimizer, scaler, params, tc, total, n_targets, check_finite, runtime, norms)
 
 
 def _backward(model, objective, batches, n_targets, scaler, tc, device, runtime, loss_fn) -> torch.Tensor:
@@ -65,7 +67,7 @@ def _backward(model, objective, batches, n_targets, scaler, tc, device, runtime,
     return runtime.loss_total(total)
 
 
-def _update(optimizer, scaler, params, tc, total, n_targets, check_finite, runtime) -> torch.Tensor | None:
+def _update(optimizer, scaler, params, tc, total, n_targets, check_finite, runtime, norms) -> torch.Tensor | None:
     """Clip and step, unless the loss or the gradients are not finite (``check_finite``)."""
     fp16 = scaler.is_enabled()
     on_device = check_finite and not runtime.parallel and not fp16 and bool(optimizer.defaults.get("fused"))
@@ -74,6 +76,8 @@ def _update(optimizer, scaler, params, tc, total, n_targets, check_finite, runti
         return None
     scaler.unscale_(optimizer)  # clip the true gradients (a no-op unless fp16)
     norm = runtime.grad_norm(params, tc.grad_clip) if tc.grad_clip > 0 or (check_finite and not fp16) else None
+    if norms is not None and norm is not None:
+        norms.append(norm.detach().float())
     finite = None  # a finite loss can still backpropagate inf, which AdamW turns into NaN weights
     if check_finite and norm is not None:
         finite = torch.isfinite(total) & torch.isfinite(norm)

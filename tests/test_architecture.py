@@ -26,7 +26,7 @@ LAYERS = [
     ("generation", {"generate"}),
     ("processes", {"parallel"}),
     ("training", {"train"}),
-    ("around a trained model", {"interop", "probes", "scaling"}),
+    ("around a trained model", {"interop", "probes", "scaling", "serve"}),
     ("views", {"view"}),
     ("commands", {"cli", "__main__", "__init__"}),
 ]

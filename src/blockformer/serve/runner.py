@@ -1,0 +1,179 @@
+"""One scheduled batch in, next-token logits out: the model runner.
+
+The model is called as it is in ``generate``, with a cache object; here the cache is a
+view of the paged pool for this call (``PagedView``). Each row's keys and values are
+gathered through its block table into a (B, H_kv, S, head_dim) tensor, right-aligned, so
+that every row's new tokens sit in the same last slots and the model's own causal mask
+(``cache_pos``) is right for all of them; the slots in front of a shorter row are marked
+invalid. This is "gathered blocks into SDPA": one ``index_select`` per layer, then the
+same fused attention kernel as ``generate`` (benchmarks/bench_serve.py measures it).
+The model does not know it is being served.
+
+Decoding rows (one token each) run in one call; each prefill chunk runs in its own, so a
+row of one token never pays for another's chunk of hundreds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..models.checks import trusted_inputs
+from ..nn.kv_cache import KVCache
+from ..generate.step import eval_mode
+
+
+@dataclass
+class RowInput:
+    """One row of a call: ``tokens`` to feed (their keys and values go to ``write_slots``),
+    after ``n_past`` tokens already in the pool (at ``past_slots``), positions from
+    ``n_past``. ``memory``/``memory_mask`` and ``cross``: an encoder-decoder's source, on
+    its first call, or its cross-attention keys and values after."""
+
+    tokens: list[int]
+    n_past: int
+    past_slots: np.ndarray
+    write_slots: np.ndarray
+    memory: torch.Tensor | None = None  # (1, S_src, d_model)
+    memory_mask: torch.Tensor | None = None  # (1, S_src)
+    cross: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # per layer: (1, H_kv, S_src, hd)
+
+
+class PagedView(KVCache):
+    """The pool seen as a ``KVCache`` for one call: slots are virtual, ``S`` per row, with
+    each row's past followed by its new tokens, right-aligned."""
+
+    def __init__(self, pool: PagedPool, rows: list[RowInput], T: int) -> None:  # noqa: D107 - no super(): no buffers of its own
+        self.pool, B = pool, len(rows)
+        S = max(r.n_past + len(r.tokens) for r in rows)  # >= T: every row ends at slot S - 1
+        read = np.full((B, S), pool.dummy_slot, dtype=np.int64)
+        valid = np.zeros((B, S), dtype=bool)
+        pos = np.zeros((B, S), dtype=np.int64)
+        for b, r in enumerate(rows):
+            n, first = len(r.tokens), S - len(r.tokens) - r.n_past  # first virtual slot of the row's past
+            read[b, first : S - n] = r.past_slots
+            read[b, S - n :] = r.write_slots
+            valid[b, first:] = True
+            pos[b, first:] = np.arange(r.n_past + n)
+        device = pool.k[0].device
+        self.read = torch.from_numpy(read.reshape(-1)).to(device)
+        self.valid, self.pos = torch.from_numpy(valid).to(device), torch.from_numpy(pos).to(device)
+        self.write = torch.from_numpy(np.concatenate([r.write_slots for r in rows])).to(device)
+        # the (B, T) positions of new tokens that are real: rows are left-padded to T
+        real = np.zeros((B, T), dtype=bool)
+        for b, r in enumerate(rows):
+            real[b, T - len(r.tokens) :] = True
+        self.real = torch.from_numpy(real).to(device)
+        self.B, self.S = B, S
+        self.written = S
+        self.cross_k, self.cross_v = _stack_cross(rows, pool.n_layers)
+        self.memory_mask = _stack_memory_mask(rows)
+
+    @property
+    def span(self) -> int:
+        return self.S
+
+    @property
+    def max_len(self) -> int:
+        return self.S
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pool.k[0].dtype
+
+    def record(self, cache_pos, positions, attention_mask) -> None:
+        pass  # validity and positions were laid out when the view was made
+
+    def update(self, layer: int, cache_pos, k: torch.Tensor, v: torch.Tensor):
+        """Write the real new keys/values (B, H_kv, T, hd) into the pool; read every row's
+        (B, H_kv, S, hd) back through its block table."""
+        pk, pv = self.pool.k[layer], self.pool.v[layer]  # (slots, H_kv, hd)
+        real = self.real
+        pk.index_copy_(0, self.write, k.transpose(1, 2)[real].to(pk.dtype))
+        pv.index_copy_(0, self.write, v.transpose(1, 2)[real].to(pv.dtype))
+        H, hd = pk.shape[1:]
+        gk = pk.index_select(0, self.read).view(self.B, self.S, H, hd).transpose(1, 2)
+        gv = pv.index_select(0, self.read).view(self.B, self.S, H, hd).transpose(1, 2)
+        return gk, gv
+
+    def reorder(self, index) -> None:  # pragma: no cover - beam search does not run on the pool
+        raise NotImplementedError("a paged view is made for one call")
+
+
+def _stack_cross(rows: list[RowInput], n_layers: int):
+    if not any(r.cross is not None for r in rows):
+        return [None] * n_layers, [None] * n_layers
+    S = max(r.cross[0][0].shape[2] for r in rows)
+    ks, vs = [], []
+    for layer in range(n_layers):
+        ks.append(torch.cat([_pad_source(r.cross[0][layer], S) for r in rows]))
+        vs.append(torch.cat([_pad_source(r.cross[1][layer], S) for r in rows]))
+    return ks, vs
+
+
+def _pad_source(t: torch.Tensor, S: int) -> torch.Tensor:
+    return t if t.shape[2] == S else nn.functional.pad(t, (0, 0, 0, S - t.shape[2]))
+
+
+def _stack_memory_mask(rows: list[RowInput]) -> torch.Tensor | None:
+    masks = [r.memory_mask for r in rows if r.memory_mask is not None]
+    if not masks:
+        return None
+    S = max(m.shape[1] for m in masks)
+    return torch.cat([nn.functional.pad(m, (0, S - m.shape[1]), value=False) for m in masks])
+
+
+class PagedPool:
+    """Keys and values of every layer, (num_blocks * block_size + 1, H_kv, head_dim) each;
+    the last slot is never written (zeros): the invalid slots of a view read it."""
+
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int) -> None:
+        probe = model.new_cache(1, 1)
+        self.n_layers = len(probe.k)
+        n_kv_heads, head_dim, dtype = probe.k[0].shape[1], probe.k[0].shape[3], probe.k[0].dtype
+        slots = num_blocks * block_size + 1
+        device = probe.k[0].device
+        self.k = [torch.zeros(slots, n_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(self.n_layers)]
+        self.v = [torch.zeros(slots, n_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(self.n_layers)]
+        self.dummy_slot = slots - 1
+
+    @staticmethod
+    def bytes_per_block(model: nn.Module, block_size: int) -> int:
+        probe = model.new_cache(1, 1)
+        one = probe.k[0]
+        return 2 * len(probe.k) * block_size * one.shape[1] * one.shape[3] * one.element_size()
+
+
+class ModelRunner:
+    """Turns rows into logits (B, V) after each row's last new token."""
+
+    def __init__(self, model: nn.Module, pool: PagedPool) -> None:
+        self.model, self.pool = model, pool
+        self.arch = model.cfg.arch
+        self.device = pool.k[0].device
+
+    @torch.inference_mode()
+    def run(self, rows: list[RowInput]) -> tuple[torch.Tensor, PagedView]:
+        T = max(len(r.tokens) for r in rows)
+        view = PagedView(self.pool, rows, T)
+        tokens = torch.zeros(len(rows), T, dtype=torch.long)
+        positions = torch.zeros(len(rows), T, dtype=torch.long)
+        for b, r in enumerate(rows):
+            n = len(r.tokens)
+            tokens[b, T - n :] = torch.tensor(r.tokens)
+            positions[b, T - n :] = torch.arange(r.n_past, r.n_past + n)
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
+        cache_pos = torch.arange(view.S - T, view.S, device=self.device)
+        mask = view.real
+        with eval_mode(self.model), trusted_inputs():
+            if self.arch == "encoder-decoder":
+                memory = rows[0].memory if len(rows) == 1 else None
+                logits = self.model.decode(tokens, memory, rows[0].memory_mask if memory is not None else None,
+                                           tgt_mask=mask, positions=positions, cache=view, cache_pos=cache_pos)
+            else:
+                logits = self.model(tokens, attention_mask=mask, positions=positions, cache=view,
+                                    cache_pos=cache_pos)
+        return logits[:, -1].float(), view

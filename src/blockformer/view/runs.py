@@ -25,7 +25,7 @@ from ..train.metrics import METRICS
 from ..train.run_dir import CONFIG_TOML, LOCK
 
 MAX_DEPTH = 3  # run directories are looked for this many folders down (a sweep nests its points)
-TAIL_BYTES = 64 * 1024  # the summary's last figures come from this much of the file's end
+TAIL_BYTES = 16 * 1024  # the summary's last figures come from this much of the file's end
 MAX_READ = 32 * 1024 * 1024  # one poll reads at most this much; the next goes on from there
 
 
@@ -138,10 +138,12 @@ def _last_records(path: Path) -> dict[str, dict[str, Any]]:
     if size > TAIL_BYTES:
         lines = lines[1:]  # the first line is cut by the seek
     last: dict[str, dict[str, Any]] = {}
-    for line in lines:
+    for line in reversed(lines):  # from the end: the train and val records are usually near it
         record = _record(line)
         if record is not None:
-            last[str(record.get("split", "train"))] = record
+            last.setdefault(str(record.get("split", "train")), record)
+            if {"train", "val"} <= last.keys():
+                break
     return last
 
 
@@ -177,16 +179,8 @@ def read_new(run: Run, cursor: str = "") -> dict[str, Any]:
     except OSError as e:
         raise UsageError(f"{path}: cannot be read ({e.strerror or e})") from None
     end = data.rfind(b"\n") + 1  # only whole lines; the rest is read again next time
-    columns: dict[str, dict[str, list[Any]]] = {}
-    warnings = []
-    for n, line in enumerate(data[:end].split(b"\n")[:-1], lines + 1):
-        if not line.strip():
-            continue
-        record = _record(line)
-        if record is None:
-            warnings.append(f"{METRICS}: line {n} is not a metrics record; skipped")
-            continue
-        _append(columns.setdefault(str(record.get("split", "train")), {}), record)
+    parsed, warnings = _parse_lines(data[:end], lines + 1)
+    columns = _columns(parsed)
     lines += data[:end].count(b"\n")
     partial = end < len(data) and len(data) < MAX_READ
     if partial and not (run.path / LOCK).exists():  # no trainer will finish it
@@ -205,11 +199,45 @@ def _parse_cursor(cursor: str) -> tuple[str, int, int]:
         raise UsageError(f"cursor {cursor!r}: expected the cursor a previous answer gave") from None
 
 
-def _append(columns: dict[str, list[Any]], record: dict[str, Any]) -> None:
-    """Add one record to columns of equal length (a key first seen now is padded with None)."""
-    length = len(next(iter(columns.values()))) if columns else 0
-    for key in record.keys() - columns.keys():
-        columns[key] = [None] * length
-    for key, values in columns.items():
-        value = record.get(key)
-        values.append(value if isinstance(value, (int, float, str)) or value is None else None)
+def _parse_lines(data: bytes, first: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """The records of whole lines (numbered from ``first``), and a warning per bad line. The
+    lines are parsed as one JSON array when they can be (much faster than one by one)."""
+    lines = data.split(b"\n")[:-1]
+    try:
+        records = loads_json("[" + b",".join(line for line in lines if line.strip()).decode("utf-8") + "]")
+        if all(isinstance(r, dict) for r in records):
+            return records, []
+    except ValueError:
+        pass
+    records, warnings = [], []
+    for n, line in enumerate(lines, first):
+        if not line.strip():
+            continue
+        try:
+            record = loads_json(line.decode("utf-8"))
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            warnings.append(f"{METRICS}: line {n} is not a metrics record; skipped")
+    return records, warnings
+
+
+def _columns(records: list[dict[str, Any]]) -> dict[str, dict[str, list[Any]]]:
+    """Records as columns per split, of equal length (None where a record lacks the key;
+    NaN, infinities and values that are not numbers or strings as None too)."""
+    splits: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        splits.setdefault(str(r.get("split", "train")), []).append(r)
+    columns = {}
+    for split, group in splits.items():
+        keys = dict.fromkeys(k for r in group for k in r)
+        columns[split] = {k: [_scalar(r.get(k)) for r in group] for k in keys}
+    return columns
+
+
+def _scalar(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return value if isinstance(value, (int, str)) or value is None else None

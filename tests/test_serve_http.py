@@ -9,10 +9,12 @@ the same prompt; every refusal is a JSON error naming its field, with OpenAI's s
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -33,13 +35,13 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from blockformer import build_model  # noqa: E402
 from blockformer.cli import main  # noqa: E402
-from blockformer.generate import generate  # noqa: E402
+from blockformer.generate import generate, translate  # noqa: E402
 from blockformer.run_config import load_run_config  # noqa: E402
 from blockformer.serve.api import build_app  # noqa: E402
 from blockformer.serve.async_engine import AsyncEngine  # noqa: E402
 from blockformer.serve.engine import Engine  # noqa: E402
 from blockformer.serve.params import SamplingParams  # noqa: E402
-from blockformer.tokenizers import EOS_ID, train_tokenizer  # noqa: E402
+from blockformer.tokenizers import EOS_ID, CharTokenizer, train_tokenizer  # noqa: E402
 from blockformer.train.checkpoint import save_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -343,6 +345,56 @@ def test_a_full_queue_is_429_with_retry_after(tiny):
         _wait_for(lambda: aeng.stats().blocks_used == 0 and aeng.stats().running == 0, "the held requests' abort")
         loop.call_soon_threadsafe(loop.stop)
         thread.join(WAIT)
+        _shutdown(aeng)
+
+
+# --- the other kinds of model ---
+
+SMALL = ["model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.d_ff=32"]
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+    cfg = load_run_config(overrides=[*SMALL, "model.vocab_size=260", "model.arch=encoder"])
+    path = save_checkpoint(tmp_path_factory.mktemp("enc") / "enc", build_model(cfg.model, seed=0),
+                           train_tokenizer("byte", []), cfg)
+    aeng = _engine(path)
+    yield aeng
+    _shutdown(aeng)
+
+
+def test_embeddings_are_the_engines_vectors_as_floats_or_base64(encoder):
+    expected, tokens = encoder.engine.embed(["hello", "hi"], "mean")
+    with TestClient(build_app(encoder, model_name="enc")) as http:
+        out = http.post("/v1/embeddings", json={"input": ["hello", "hi"], "model": "enc"}).json()
+        assert [d["index"] for d in out["data"]] == [0, 1] and out["object"] == "list"
+        for row, want in zip(out["data"], expected):
+            assert row["embedding"] == pytest.approx(want, abs=1e-6)
+        assert out["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens} and tokens == 2 + 5 + 2 + 2
+        packed = http.post("/v1/embeddings", json={"input": "hello", "encoding_format": "base64"}).json()
+        raw = base64.b64decode(packed["data"][0]["embedding"])
+        assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(expected[0], abs=1e-6)
+        _error(http.post("/v1/embeddings", json={"input": "a", "pooling": "max"}), 400, "pooling", "'mean'")
+        _error(http.post("/v1/embeddings", json={"input": []}), 400, "input", "empty")
+        _error(http.post("/v1/completions", json={"prompt": "a"}), 400, "model", "encoder", "/v1/embeddings")
+
+
+def test_translations_equal_the_library_translate_greedy_and_beam(tmp_path):
+    tok = CharTokenizer("abcdefghij")
+    cfg = load_run_config(preset="reverse", overrides=[*SMALL, f"model.vocab_size={tok.vocab_size}"])
+    model = build_model(cfg.model, seed=0).eval()
+    aeng = _engine(save_checkpoint(tmp_path / "ed", model, tok, cfg))
+    try:
+        sources = ["abc", "hgfedcb"]
+        with TestClient(build_app(aeng, model_name="ed")) as http:
+            for beam in (1, 3):
+                want = translate(model, [tok.encode(s) + [EOS_ID] for s in sources], beam_size=beam, max_len=6)
+                out = http.post("/v1/translations", json={"input": sources, "beam_size": beam, "max_tokens": 6})
+                assert [d["text"] for d in out.json()["data"]] == [tok.decode(w) for w in want], beam
+            _error(http.post("/v1/translations", json={"input": "abc", "beam_size": 0}), 400, "beam_size", "[1, 16]")
+            _error(http.post("/v1/translations", json={"input": "a" * 100}), 400, "input", "context")
+            _error(http.post("/v1/embeddings", json={"input": "a"}), 400, "model", "encoder-decoder")
+    finally:
         _shutdown(aeng)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import importlib.util
 import json
 import shlex
 import signal
@@ -24,6 +25,8 @@ import socket
 import threading
 
 from ..errors import UsageError
+
+SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client", "jinja2")  # pyproject's `serve` extra
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,15 +58,13 @@ def run(args: argparse.Namespace) -> int:
 
     from ..precision import check_precision, resolve_device  # noqa: PLC0415
 
-    try:
-        import uvicorn  # noqa: F401, PLC0415
-
-        from ..serve.api import build_app  # noqa: PLC0415
-        from ..serve.chat_template import compile_chat_template  # noqa: PLC0415
-    except ImportError as e:
-        raise UsageError(f"serve: {e.name} is not installed; expected the serve extra "
-                         "(pip install 'blockformer[serve]')") from None
+    missing = [name for name in SERVE_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"serve: {', '.join(missing)} not installed; expected the serve extra "
+                         "(pip install 'blockformer[serve]')")
+    from ..serve.api import build_app  # noqa: PLC0415
     from ..serve.async_engine import AsyncEngine  # noqa: PLC0415
+    from ..serve.chat_template import compile_chat_template  # noqa: PLC0415
     from ..serve.engine import Engine  # noqa: PLC0415
 
     if not 0 <= args.port <= 65535:

@@ -3,37 +3,31 @@
 Thin on purpose (vLLM's ``api_server``): a request body becomes a prompt and
 ``SamplingParams``, the engine's outputs become OpenAI's JSON or server-sent events. The
 engine does the scheduling, the caching and the checks of prompt lengths and token ids;
-this layer adds the wire format, the error shapes and the per-request latencies.
+this layer adds the wire format, the error shapes (api_errors.py) and the per-request
+latencies (api_metrics.py). A client that goes away, streaming or not, aborts its request
+in the engine, which frees its KV blocks.
 
-Every error is ``{"error": {"message", "type", "param", "code"}}`` with one line naming the
-field: 400 for bad JSON, a bad field or a request the engine refuses, 404 for an unknown
-model or route, 429 with ``Retry-After`` when the engine's queue is full, 500 only for a
-bug (logged here, never sent as a traceback). A client that goes away cancels its request,
-which frees its KV blocks.
+Routes: ``/v1/completions`` and ``/v1/chat/completions`` (decoders), ``/v1/embeddings``
+(encoders), ``/v1/translations`` (encoder-decoders), ``/v1/models``, ``/health``,
+``/metrics``.
 """
 
 from __future__ import annotations
 
 import base64
-import difflib
 import json
-import logging
-import math
-import re
 import struct
 import uuid
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import UsageError
+from .api_errors import ApiError, add_error_handlers
 from .api_metrics import ApiMetrics, RequestTimer
-from .async_engine import QueueFull
 from .chat_template import compile_chat_template, render_chat
 from .openai_protocol import (
     ChatFormat, ChatRequest, CompletionFormat, CompletionRequest, EmbeddingRequest, TranslationRequest,
@@ -41,33 +35,12 @@ from .openai_protocol import (
 )
 from .params import SamplingParams
 
-log = logging.getLogger(__name__)
-
-# A field whose value may take several shapes: what a union's validation error should say.
-EXPECTED = {
-    "prompt": "a string or a list of token ids",
-    "stop": "a string or a list of strings",
-    "input": "a string or a list of strings",
-    "content": "a string or a list of text parts",
-}
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
           "/v1/embeddings": EmbeddingRequest, "/v1/translations": TranslationRequest}
-ROUTE_ARCH = {"completions": "decoder", "chat completions": "decoder", "embeddings": "encoder",
-              "translations": "encoder-decoder"}
-ROUTE_ARCH_OF = {"decoder": "completions", "encoder": "embeddings", "encoder-decoder": "translations"}
-
-
-class ApiError(Exception):
-    """An error with its HTTP status, sent in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, type: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+ROUTES = [*BODIES, "/v1/models", "/health", "/metrics"]
+ARCH_ROUTE = {"decoder": "/v1/completions", "encoder": "/v1/embeddings", "encoder-decoder": "/v1/translations"}
+ROUTE_ARCH = {"/v1/completions": "decoder", "/v1/chat/completions": "decoder", "/v1/embeddings": "encoder",
+              "/v1/translations": "encoder-decoder"}
 
 
 def build_app(aeng, *, model_name: str, chat_template: str | None = None) -> FastAPI:
@@ -76,21 +49,91 @@ def build_app(aeng, *, model_name: str, chat_template: str | None = None) -> Fas
     server = _Server(aeng, model_name, compile_chat_template(chat_template) if chat_template else None)
     app = FastAPI(title="blockformer", version="1", docs_url=None, redoc_url=None)
     app.state.server = server
-    _add_error_handlers(app, server.metrics)
-    _add_routes(app, server)
+    add_error_handlers(app, lambda status: server.metrics.errors.labels(status=str(status)).inc(), BODIES, ROUTES)
+    for path, method in [("/v1/completions", server.completions), ("/v1/chat/completions", server.chat),
+                         ("/v1/embeddings", server.embeddings), ("/v1/translations", server.translations)]:
+        app.add_api_route(path, method, methods=["POST"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", server.model, methods=["GET"])
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.scrape, methods=["GET"])
     return app
 
 
 class _Server:
-    """What the routes share: the engine, the model's name and template, the metrics."""
+    """The routes, over one engine, one model name and its template, one set of metrics."""
 
     def __init__(self, aeng, model_name: str, template) -> None:
-        self.aeng = aeng
-        self.engine = aeng.engine
-        self.model_name = model_name
-        self.template = template
+        self.aeng, self.engine = aeng, aeng.engine
+        self.model_name, self.template = model_name, template
+        self.tokenizer = self.engine.tokenizer
         self.metrics = ApiMetrics(aeng.stats)
         self.created = now()
+
+    # --- routes ---
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.check(body.model, "/v1/completions")
+        body.check()
+        prompt = body.prompt
+        if body.max_tokens is None and isinstance(prompt, str):
+            prompt = self.tokenizer.encode(prompt)  # its length sets the default
+        max_tokens = body.max_tokens if body.max_tokens is not None else self.room(prompt)
+        params = body.sampling_params(max_tokens, body.logprobs)
+        fmt = CompletionFormat(self.tokenizer.decode)
+        return await self.generate(request, prompt, params, fmt, body.stream, body.include_usage)
+
+    async def chat(self, body: ChatRequest, request: Request) -> Response:
+        self.check(body.model, "/v1/chat/completions")
+        if self.template is None:
+            raise ApiError(400, f"messages: {self.model_name!r} has no chat template; expected a checkpoint with "
+                           "one or `blockformer serve --chat-template FILE` (or use /v1/completions)",
+                           param="messages", code="no_chat_template")
+        body.check()
+        prompt = self.tokenizer.encode(render_chat(self.template, [m.for_template() for m in body.messages]))
+        limit = body.token_limit
+        params = body.sampling_params(limit if limit is not None else self.room(prompt), body.engine_logprobs)
+        fmt = ChatFormat(self.tokenizer.decode)
+        return await self.generate(request, prompt, params, fmt, body.stream, body.include_usage)
+
+    async def embeddings(self, body: EmbeddingRequest) -> dict[str, Any]:
+        self.check(body.model, "/v1/embeddings")
+        vectors, tokens = await self.aeng.embed(texts_of(body.input), pooling=body.pooling)
+        data = [{"object": "embedding", "index": i, "embedding": _vector(v, body.encoding_format)}
+                for i, v in enumerate(vectors)]
+        return {"object": "list", "data": data, "model": self.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def translations(self, body: TranslationRequest) -> dict[str, Any]:
+        self.check(body.model, "/v1/translations")
+        body.check()
+        try:
+            texts, prompt_tokens, completion_tokens = await self.aeng.translate(
+                texts_of(body.input), beam_size=body.beam_size, max_tokens=body.max_tokens)
+        except UsageError as e:  # the engine calls a source its prompt; here it is the input
+            message = str(e)
+            raise UsageError("input" + message[len("prompt"):] if message.startswith("prompt:") else message) from None
+        return {"id": f"trans-{uuid.uuid4().hex}", "object": "translation", "created": now(),
+                "model": self.model_name, "data": [{"index": i, "text": t} for i, t in enumerate(texts)],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model: str) -> dict[str, Any]:
+        self.check(model, ARCH_ROUTE[self.engine.arch])
+        return self._card()
+
+    async def health(self) -> dict[str, str]:
+        if not self.aeng.alive:  # the engine's thread stopped: an error, or shut down
+            raise ApiError(503, f"the engine is not running: {self.aeng.error or 'stopped'}", code="engine_stopped")
+        return {"status": "ok"}
+
+    async def scrape(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # --- shared ---
 
     def check(self, model: str | None, route: str) -> None:
         """The request names this model (or none) and the model's kind serves the route."""
@@ -99,14 +142,17 @@ class _Server:
                            param="model", code="model_not_found")
         needs, arch = ROUTE_ARCH[route], self.engine.arch
         if arch != needs:
-            raise ApiError(400, f"model: {self.model_name!r} is {_a(arch)} model; {route} need {_a(needs)} "
-                           f"(it serves /v1/{ROUTE_ARCH_OF[arch]})",
-                           param="model", code="wrong_model_kind")
+            raise ApiError(400, f"model: {self.model_name!r} is {_a(arch)}; {route} needs {_a(needs)} "
+                           f"(this model serves {ARCH_ROUTE[arch]})", param="model", code="wrong_model_kind")
 
     def room(self, prompt_ids: list[int]) -> int:
         """The default ``max_tokens``: what the context leaves after the prompt (at least 1,
-        so that a prompt too long is the engine's one refusal naming it)."""
+        so that a prompt too long gets the engine's one refusal naming it)."""
         return max(1, self.engine.max_context - len(prompt_ids))
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "blockformer",
+                "max_model_len": self.engine.max_context}
 
     async def generate(self, request: Request, prompt: str | list[int], params: SamplingParams, fmt,
                        stream: bool, include_usage: bool) -> Response:
@@ -135,8 +181,8 @@ class _Reply:
         self.created = now()
 
     async def next(self):
-        """The engine's next output; its finishing with an error, or its thread stopped, is
-        a 5xx naming why (the engine's own message, not a traceback)."""
+        """The engine's next output. Its failing, or its thread stopped, is a 5xx with the
+        engine's own message (not a traceback)."""
         try:
             out = await self.outputs.__anext__()
         except RuntimeError as e:  # AsyncEngine: "the engine is not running" / "the engine stopped: ..."
@@ -154,21 +200,23 @@ class _Reply:
     def _envelope(self, obj: str, choices: list, **extra) -> dict[str, Any]:
         return envelope(self.id, obj, self.server.model_name, self.created, choices, **extra)
 
+    def _logprobs(self, pieces):
+        return self.fmt.logprobs(pieces or []) if self.want_logprobs else None
+
     async def collect(self, out, request: Request) -> Response:
         """The whole completion as one JSON body; a client gone meanwhile aborts it."""
         text, pieces = [out.text], list(out.logprobs or [])
         try:
             while not out.finished:
                 if await request.is_disconnected():
-                    return Response(status_code=499)
+                    return Response(status_code=499)  # nginx's "client closed request"; no one reads it
                 out = await self.next()
                 text.append(out.text)
                 pieces.extend(out.logprobs or [])
             self.reason = out.finish_reason or "stop"
         finally:
             await self.close()
-        logprobs = self.fmt.logprobs(pieces) if self.want_logprobs else None
-        choice = self.fmt.choice("".join(text), logprobs, self.reason)
+        choice = self.fmt.choice("".join(text), self._logprobs(pieces), self.reason)
         return JSONResponse(self._envelope(self.fmt.object, [choice], usage=usage(out)))
 
     async def events(self, out, include_usage: bool):
@@ -182,10 +230,10 @@ class _Reply:
                 yield _sse(self._envelope(chunk, [opening]))
             while not out.finished:
                 if out.text or out.logprobs:
-                    yield _sse(self._envelope(chunk, [self.fmt.delta(out.text, self._logprobs(out), None)]))
+                    yield _sse(self._envelope(chunk, [self.fmt.delta(out.text, self._logprobs(out.logprobs), None)]))
                 out = await self.next()
             self.reason = out.finish_reason or "stop"
-            yield _sse(self._envelope(chunk, [self.fmt.delta(out.text, self._logprobs(out), self.reason)]))
+            yield _sse(self._envelope(chunk, [self.fmt.delta(out.text, self._logprobs(out.logprobs), self.reason)]))
             if include_usage:
                 yield _sse(self._envelope(chunk, [], usage=usage(out)))
         except ApiError as e:
@@ -193,9 +241,6 @@ class _Reply:
         finally:
             await self.close()
         yield "data: [DONE]\n\n"
-
-    def _logprobs(self, out):
-        return self.fmt.logprobs(out.logprobs or []) if self.want_logprobs else None
 
 
 class _EventStream(StreamingResponse):
@@ -219,7 +264,7 @@ class _EventStream(StreamingResponse):
 
 
 async def _close(agen) -> None:
-    """``aclose`` shielded from the cancellation that may be closing it."""
+    """``aclose``, shielded from the cancellation that may be what is closing it."""
     with anyio.CancelScope(shield=True):
         await agen.aclose()
 
@@ -228,180 +273,12 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), allow_nan=False)}\n\n"
 
 
-def _add_routes(app: FastAPI, server: _Server) -> None:
-    tokenizer = server.engine.tokenizer
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        server.check(body.model, "completions")
-        body.check()
-        prompt = body.prompt
-        if body.max_tokens is None and isinstance(prompt, str):
-            prompt = tokenizer.encode(prompt)
-        max_tokens = body.max_tokens if body.max_tokens is not None else server.room(prompt)
-        params = body.sampling_params(max_tokens, body.logprobs)
-        return await server.generate(request, prompt, params, CompletionFormat(tokenizer.decode),
-                                     body.stream, body.include_usage)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        server.check(body.model, "chat completions")
-        if server.template is None:
-            raise ApiError(400, f"messages: {server.model_name!r} has no chat template; expected a checkpoint "
-                           "with one or `blockformer serve --chat-template FILE` (or use /v1/completions)",
-                           param="messages", code="no_chat_template")
-        body.check()
-        prompt = tokenizer.encode(render_chat(server.template, [m.for_template() for m in body.messages]))
-        limit = body.token_limit
-        params = body.sampling_params(limit if limit is not None else server.room(prompt), body.engine_logprobs)
-        return await server.generate(request, prompt, params, ChatFormat(tokenizer.decode),
-                                     body.stream, body.include_usage)
-
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
-        server.check(body.model, "embeddings")
-        vectors, tokens = await server.aeng.embed(texts_of(body.input), pooling=body.pooling)
-        data = [{"object": "embedding", "index": i, "embedding": _vector(v, body.encoding_format)}
-                for i, v in enumerate(vectors)]
-        return {"object": "list", "data": data, "model": server.model_name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-
-    @app.post("/v1/translations")
-    async def translations(body: TranslationRequest) -> dict[str, Any]:
-        server.check(body.model, "translations")
-        texts, prompt_tokens, completion_tokens = await server.aeng.translate(
-            texts_of(body.input), beam_size=body.beam_size, max_tokens=body.max_tokens)
-        return {"id": f"trans-{uuid.uuid4().hex}", "object": "translation", "created": now(),
-                "model": server.model_name, "data": [{"index": i, "text": t} for i, t in enumerate(texts)],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
-
-    def model_card() -> dict[str, Any]:
-        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "blockformer",
-                "max_model_len": server.engine.max_context}
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{model:path}")
-    async def model(model: str) -> dict[str, Any]:
-        server.check(model, ROUTE_ARCH_OF.get(server.engine.arch, "completions"))
-        return model_card()
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        if not server.aeng.alive:  # the engine's thread stopped (an error, or shut down)
-            raise ApiError(503, f"the engine is not running: {server.aeng.error or 'stopped'}", code="engine_stopped")
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-
-def _a(word: str) -> str:
-    return ("an " if word[0] in "aeiou" else "a ") + word
-
-
 def _vector(values: list[float], encoding: str) -> list[float] | str:
-    """OpenAI's ``base64`` encoding is the float32 little-endian bytes (its client's default)."""
+    """OpenAI's ``base64`` is the float32 little-endian bytes (its Python client's default)."""
     if encoding == "base64":
         return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
     return values
 
 
-# Errors
-
-
-def _add_error_handlers(app: FastAPI, metrics: ApiMetrics) -> None:
-    def reply(e: ApiError) -> JSONResponse:
-        metrics.errors.labels(status=str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return reply(e)
-
-    @app.exception_handler(UsageError)
-    async def usage_error(request: Request, e: UsageError) -> JSONResponse:
-        return reply(ApiError(400, str(e), param=_param_of(str(e))))
-
-    @app.exception_handler(QueueFull)
-    async def queue_full(request: Request, e: QueueFull) -> JSONResponse:
-        seconds = max(1, math.ceil(getattr(e, "retry_after", 1) or 1))
-        message = f"the server is busy: its queue is full ({e}); retry after {seconds} s"
-        return reply(ApiError(429, message, type="rate_limit_error", code="queue_full",
-                              headers={"Retry-After": str(seconds)}))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(e.errors(), BODIES.get(request.url.path))
-        return reply(ApiError(400, message, param=param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        message = f"{request.method} {request.url.path}: {e.detail}"
-        if e.status_code == 404:
-            message += "; expected one of " + ", ".join(sorted({*BODIES, "/v1/models", "/health", "/metrics"}))
-        error = ApiError(e.status_code, message, type="not_found_error" if e.status_code == 404 else None)
-        error.headers = dict(e.headers) if e.headers else None
-        return reply(error)
-
-    @app.exception_handler(Exception)
-    async def bug(request: Request, e: Exception) -> JSONResponse:
-        log.exception("%s %s failed", request.method, request.url.path)
-        return reply(ApiError(500, f"internal error ({type(e).__name__}); the server log has the details"))
-
-
-def _param_of(message: str) -> str | None:
-    """The field a ``UsageError`` names: its messages start with ``name: ...``."""
-    match = re.match(r"([A-Za-z_][\w.]*)(\[\d+\])?:", message)
-    return match.group(1) if match else None
-
-
-def validation_message(errors, body_model=None) -> tuple[str, str | None]:
-    """One line for pydantic's errors, naming the first bad field, and that field."""
-    first = errors[0]
-    if first["type"] == "json_invalid":
-        reason = (first.get("ctx") or {}).get("error", "")
-        return f"request body: not valid JSON ({reason}); expected a JSON object", None
-    path = _field_path(first["loc"])
-    if not path:
-        return f"request body: {_show(first.get('input'))}; expected a JSON object", None
-    if first["type"] == "missing":
-        return f"{path}: missing; expected this field", path
-    if first["type"] == "extra_forbidden":
-        known = list(body_model.model_fields) if body_model is not None else []
-        close = difflib.get_close_matches(path.rpartition(".")[2], known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return f"{path}: an unknown field{hint}; expected one of {', '.join(known)}" if known else \
-            f"{path}: an unknown field", path
-    top = re.split(r"[.\[]", path)[0]
-    union = sum(re.split(r"[.\[]", _field_path(e["loc"]))[0] == top for e in errors) > 1
-    name = re.split(r"[.\[]", path.rpartition(".")[2])[0]
-    if union and name in EXPECTED:
-        expected = f"expected {EXPECTED[name]}"
-    else:
-        expected = first["msg"].replace("Input should be ", "expected ")
-    return f"{path}: {_show(first.get('input'))}; {expected}", path
-
-
-def _field_path(loc) -> str:
-    """``("body", "messages", 0, "content", "str")`` -> ``messages[0].content``: the body
-    marker and pydantic's union-member tags (``str``, ``list[int]``) dropped."""
-    path = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part.isidentifier() and part not in {"str", "int", "float", "bool", "list", "dict"}:
-            path += f".{part}" if path else part
-    return path
-
-
-def _show(value: Any) -> str:
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+def _a(arch: str) -> str:
+    return ("an " if arch[0] in "aeiou" else "a ") + arch

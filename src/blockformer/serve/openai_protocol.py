@@ -9,6 +9,7 @@ shapes (``text_completion``, ``chat.completion``, their ``.chunk`` stream pieces
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Literal
 
@@ -136,10 +137,19 @@ class EmbeddingRequest(_Body):
     pooling: str = "mean"
 
 
+MAX_BEAM = 16  # one request's beams are its own batch, outside the continuous one: keep it small
+
+
 class TranslationRequest(_Body):
     input: str | list[str]
     beam_size: int = 1
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # default: the source's length + 50, within the context
+
+    def check(self) -> None:
+        if not 1 <= self.beam_size <= MAX_BEAM:
+            raise UsageError(f"beam_size: {self.beam_size}; expected an integer in [1, {MAX_BEAM}]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UsageError(f"max_tokens: {self.max_tokens}; expected an integer >= 1")
 
 
 def texts_of(value: str | list[str], name: str = "input") -> list[str]:
@@ -185,8 +195,8 @@ class CompletionFormat:
             self.offset += len(token)
         return {
             "tokens": tokens,
-            "token_logprobs": [p.logprob for p in pieces],
-            "top_logprobs": [{self.decode([i]): lp for i, lp in p.top} for p in pieces],
+            "token_logprobs": [finite(p.logprob) for p in pieces],
+            "top_logprobs": [{self.decode([i]): finite(lp) for i, lp in p.top} for p in pieces],
             "text_offset": offsets,
         }
 
@@ -210,7 +220,7 @@ class ChatFormat:
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.decode([token_id])
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        return {"token": token, "logprob": finite(logprob), "bytes": list(token.encode("utf-8"))}
 
     def logprobs(self, pieces: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if pieces is None:
@@ -236,3 +246,8 @@ class ChatFormat:
 
 def now() -> int:
     return int(time.time())
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf: a token sampling had ruled out (top-k, top-p) gets vLLM's -9999."""
+    return logprob if math.isfinite(logprob) else -9999.0

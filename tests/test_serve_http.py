@@ -161,6 +161,15 @@ def test_streamed_completion_joins_to_the_same_text_then_usage_then_done(tiny, c
     assert len({c.id for c in chunks}) == 1
 
 
+def test_a_repeated_prompt_reports_its_prefix_cache_hit_in_usage(client):
+    prompt = "the same forty characters, said again..."  # 40 tokens: two full 16-token blocks
+    first, second = (client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+                     for _ in range(2))
+    assert first.choices[0].text == second.choices[0].text
+    assert second.usage.prompt_tokens_details.cached_tokens == 32
+    assert second.usage.prompt_tokens == 40
+
+
 def test_token_id_prompt_gives_the_text_prompts_completion(tiny, client):
     tok = tiny[2]
     out = client.completions.create(model="tiny", prompt=tok.encode(PROMPT), max_tokens=12, temperature=0)
@@ -308,6 +317,26 @@ def test_chat_field_errors_name_the_field(plain, served):
                "messages[0].role", "missing")
         _error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                        "top_logprobs": 2}), 400, "top_logprobs", "logprobs=true")
+
+
+def test_a_template_that_refuses_the_messages_is_400_and_text_parts_are_joined(aeng, tiny):
+    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first message must be the user\\'s') }}" \
+             "{% endif %}" + TEMPLATE
+    with TestClient(build_app(aeng, model_name="tiny", chat_template=strict)) as http:
+        refused = http.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "x"}]})
+        _error(refused, 400, "messages", "must be the user's")
+        parts = [{"type": "text", "text": "def"}, {"type": "text", "text": " f"}]
+        out = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": parts}],
+                                                      "max_tokens": 5, "temperature": 0}).json()
+        assert out["choices"][0]["message"]["content"] == _greedy(tiny, tiny[2].encode("user: def f\nassistant:"), 5)
+
+
+def test_a_stopped_engine_is_503_on_health_and_refuses_requests(tiny):
+    aeng = _engine(tiny[0])
+    _shutdown(aeng)
+    with TestClient(build_app(aeng, model_name="tiny")) as http:
+        _error(http.get("/health"), 503, None, "not running")
+        assert http.post("/v1/completions", json={"prompt": "a"}).status_code in (429, 503)
 
 
 def test_embeddings_and_translations_on_a_decoder_are_400(plain):

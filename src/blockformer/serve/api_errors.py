@@ -3,15 +3,14 @@
 ``{"error": {"message", "type", "param", "code"}}``: 400 for bad JSON, a bad field (pydantic's
 422 becomes 400, as OpenAI and vLLM answer) or a request the engine refuses (its
 ``UsageError``), 404 for an unknown model or route, 429 with ``Retry-After`` when the
-engine's queue is full, 503 when the engine has stopped, 500 only for a bug (logged with
-its traceback here, never sent).
+engine's queue is full, 503 when the engine has stopped, 500 only for a bug (its traceback
+goes to the server's log, never to the client).
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-import logging
 import math
 import re
 from typing import Any
@@ -23,8 +22,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import UsageError
 from .async_engine import QueueFull
-
-log = logging.getLogger("blockformer.serve")
 
 # A field whose value may take several shapes: what a union's validation error should say.
 EXPECTED = {
@@ -76,7 +73,7 @@ def add_error_handlers(app: FastAPI, count, bodies: dict[str, type], routes: lis
                 message += "; expected one of " + ", ".join(routes)
             return ApiError(e.status_code, message, type="not_found_error" if e.status_code == 404 else None,
                             headers=dict(e.headers) if e.headers else None)
-        log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        # a bug: Starlette re-raises it after this reply, and uvicorn logs its traceback
         return ApiError(500, f"internal error ({type(e).__name__}); the server's log has the details")
 
     async def handle(request: Request, e: Exception) -> JSONResponse:

@@ -12,6 +12,8 @@ import asyncio
 import base64
 import json
 import os
+import shlex
+import shutil
 import signal
 import socket
 import struct
@@ -430,7 +432,14 @@ def test_translations_equal_the_library_translate_greedy_and_beam(tmp_path):
 # --- the command ---
 
 
-def test_serve_command_prints_its_url_and_curl_answers_health_and_exits_0_on_sigint(tiny):
+def _stream_events(url: str, body: dict, events: list[str]) -> None:
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=WAIT) as response:
+        events.extend(line for line in response.iter_lines() if line.startswith("data: "))
+
+
+def test_serve_command_prints_a_working_curl_line_and_drains_on_sigint_then_exits_0(tiny):
+    """Started as users start it; SIGINT arrives while a stream is half sent: the stream
+    still ends with its finish reason and [DONE], and the command exits 0."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "blockformer", "serve", "--checkpoint", str(tiny[0]),
                              "--port", "0", "--num-blocks", "300", "--model-name", "tiny"],
@@ -443,12 +452,26 @@ def test_serve_command_prints_its_url_and_curl_answers_health_and_exits_0_on_sig
         assert len(lines) == 2, (lines, proc.poll())
         url = lines[0].split(" at ")[1].strip()
         assert url.startswith("http://127.0.0.1:") and "tiny (decoder)" in lines[0]
-        assert lines[1].strip().startswith(f"try: curl {url}/v1/completions") and '"model": "tiny"' in lines[1]
+        curl = lines[1].strip().removeprefix("try: ")
+        assert curl.startswith(f"curl {url}/v1/completions") and '"model": "tiny"' in curl
         assert httpx.get(url + "/health", timeout=WAIT).json() == {"status": "ok"}
+        if shutil.which("curl"):
+            answer = json.loads(subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=WAIT).stdout)
+            assert answer["usage"]["completion_tokens"] == 16
+        events: list[str] = []
+        streaming = threading.Thread(target=_stream_events, args=(url, {"prompt": "a", "max_tokens": 300,
+                                                                     "ignore_eos": True}, events), daemon=True)
+        streaming.start()
+        _wait_for(lambda: len(events) >= 2, "the stream to start")
         proc.send_signal(signal.SIGINT)
+        at_signal = len(events)
         out, err = proc.communicate(timeout=30)
+        streaming.join(WAIT)
+        assert len(events) > at_signal  # the stream went on after the signal
         assert proc.returncode == 0, err
         assert "Traceback" not in err
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
     finally:
         if proc.poll() is None:
             proc.kill()

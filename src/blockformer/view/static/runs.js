@@ -143,7 +143,8 @@ async function showConfig() {
     table.tHead.rows[0].cells[2].textContent = b;
     for (const row of diff.diff) {
       const tr = table.insertRow();
-      for (const v of [row.key, row.a, row.b]) tr.insertCell().textContent = v === null ? "—" : JSON.stringify(v);
+      tr.insertCell().textContent = row.key;
+      for (const v of [row.a, row.b]) tr.insertCell().textContent = v === null ? "—" : JSON.stringify(v);
     }
     if (!diff.diff.length) out.textContent = `${a} and ${b} have the same config`;
     else out.appendChild(table);

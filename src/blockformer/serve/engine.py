@@ -185,7 +185,7 @@ class Engine:
         src = ids if source else None
         seq = Sequence(request_id, [BOS_ID] if source else ids, params, generator, next(self._ids), source=src)
         seq.table.salt = salt_for(src)
-        self.requests[request_id] = _Request(seq, self.tokenizer.decode, None if params.ignore_eos else EOS_ID)
+        self.requests[request_id] = _Request(seq, self.tokenizer.decode, None if params.ignore_eos else self.eos_id)
         self.scheduler.add(seq)
         self.prompt_tokens_total += len(ids)
         return request_id
@@ -264,7 +264,7 @@ class Engine:
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput | None:
         """Choose the sequence's next token and see whether it ends there."""
         req, p = self.requests[seq.request_id], seq.params
-        token = choose(logits, p, seq.generator, blocked_ids(p, seq.n_generated, EOS_ID))
+        token = choose(logits, p, seq.generator, blocked_ids(p, seq.n_generated, self.eos_id))
         seq.tokens.append(token)
         self.generation_tokens_total += 1
         if token == req.eos_id or token in p.stop_token_ids:

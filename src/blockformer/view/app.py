@@ -165,9 +165,9 @@ def create_app(root: str | Path) -> Any:
         return checkpoint_list(runs)
 
     @app.post("/api/attention")
-    def attention(body: dict = Body(...)) -> dict[str, Any]:
+    def attention(body: dict = Body(...)) -> Response:
         ckpt = loaded.get(runs.checkpoint(body.get("checkpoint")))
-        return ckpts.attention(ckpt, body.get("text", ""), body.get("target", "") or "")
+        return fast_json(ckpts.attention(ckpt, body.get("text", ""), body.get("target", "") or ""))
 
     @app.post("/api/next")
     def next_tokens(body: dict = Body(...)) -> dict[str, Any]:

@@ -118,9 +118,15 @@ def attention(ckpt: Checkpoint, text: str, target: str = "") -> dict[str, Any]:
         kind = "cross" if r["cross"] else "causal" if causal else "bidirectional"
         layers.append({"module": r["module"], "kind": kind, "queries": tgt_names if decoder_side else src_names,
                        "keys": src_names if r["cross"] or not decoder_side else tgt_names,
-                       "weights": r["weights"].tolist(), "reproduction_error": r["error"]})
+                       "weights": _rounded(r["weights"]), "reproduction_error": r["error"]})
     return {"checkpoint": str(ckpt.path), "arch": cfg.arch, "tokens": src_names, "target_tokens": tgt_names,
             "n_heads": cfg.n_heads, "layers": layers}
+
+
+def _rounded(weights: torch.Tensor) -> list:
+    """The weights as lists, to 7 decimals (off by at most 5e-8; a float32's noise digits would
+    double the page's size)."""
+    return (weights.double() * 1e7).round().div(1e7).tolist()
 
 
 def next_tokens(ckpt: Checkpoint, text: str, k: int = 5) -> dict[str, Any]:

@@ -10,6 +10,7 @@ const KIND = {
   cross: "cross-attention: the decoder's queries (target) read the encoder's output (source keys)",
 };
 const MAX_HEATMAPS = 96;  // past this only the chosen module's heads are drawn
+const MAX_LINES = 20000;  // the head view draws at most this many lines, the strongest
 
 async function start() {
   header("attention");
@@ -94,20 +95,19 @@ function headView() {
   };
   el("text", {x: left - 8, y: 12, "text-anchor": "end", fill: "#777"}, "queries");
   el("text", {x: right + 8, y: 12, fill: "#777"}, "keys");
-  const lines = [];
-  const top1 = Math.max(...heads.map(h => Math.max(...layer.weights[h].flat())));  // opacity relative to it
-  for (const h of heads) {
-    const w = layer.weights[h];
-    for (let q = 0; q < layer.queries.length; q++) for (let k = 0; k < layer.keys.length; k++) {
-      const r = w[q][k] / top1;
-      if (r < 0.02) continue;
-      const line = el("line", {x1: left, y1: top + q * rowH + rowH / 2, x2: right, y2: top + k * rowH + rowH / 2,
-        stroke: HEAD_COLOURS[h % HEAD_COLOURS.length], "stroke-width": 0.5 + 2.5 * r,
-        "stroke-opacity": r});
-      line.dataset.q = q; line.dataset.k = k;
-      lines.push(line);
-    }
-  }
+  let top1 = 0;  // line opacity is relative to the largest weight shown
+  for (const h of heads) for (const row of layer.weights[h]) for (const w of row) top1 = Math.max(top1, w);
+  let pairs = [];
+  for (const h of heads) layer.weights[h].forEach((row, q) => row.forEach((w, k) => {
+    if (w / top1 >= 0.02) pairs.push([h, q, k, w / top1]);
+  }));
+  if (pairs.length > MAX_LINES) pairs = pairs.sort((a, b) => b[3] - a[3]).slice(0, MAX_LINES);  // the strongest
+  const lines = pairs.map(([h, q, k, r]) => {
+    const line = el("line", {x1: left, y1: top + q * rowH + rowH / 2, x2: right, y2: top + k * rowH + rowH / 2,
+      stroke: HEAD_COLOURS[h % HEAD_COLOURS.length], "stroke-width": 0.5 + 2.5 * r, "stroke-opacity": r});
+    line.dataset.q = q; line.dataset.k = k;
+    return line;
+  });
   const focus = (side, i) => lines.forEach(l => { l.style.display = i === null || +l.dataset[side] === i ? "" : "none"; });
   layer.queries.forEach((t, q) => {
     const e = el("text", {x: left - 8, y: top + q * rowH + 13, "text-anchor": "end"}, label(t));

@@ -1,10 +1,10 @@
 """Screenshots of ``blockformer view``'s pages for the README, taken in headless Chromium.
 
     python docs/screenshots.py RUNS_DIR --checkpoint RUN/best --text "ROMEO: ..." \
-        [--seq2seq RUN/best --source abc --target cba] [--out docs]
+        [--seq2seq RUN/best --source abc --target cba] [--serve CKPT_DIR] [--out docs]
 
 writes docs/view-runs.png, view-attention.png (and view-cross-attention.png), view-next.png
-and view-playground.png. It serves RUNS_DIR on 127.0.0.1 as ``blockformer view`` does and
+and view-playground.png (and, with --serve, view-server.png). It serves RUNS_DIR on 127.0.0.1 as ``blockformer view`` does and
 drives Debian's ``chromium`` with selenium (tests/view_browser.py).
 """
 
@@ -17,7 +17,7 @@ import urllib.parse
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from view_browser import Served, find_browser, start_browser, wait_for  # noqa: E402
+from view_browser import Served, find_browser, serve_checkpoint, start_browser, stop_serving, wait_for  # noqa: E402
 
 
 def shoot(driver, url: str, ready: str, out: Path, click: str | None = None, height: int | None = None) -> None:
@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--seq2seq", help="an encoder-decoder's RUN/CKPT for the cross-attention picture")
     parser.add_argument("--source", default="")
     parser.add_argument("--target", default="")
+    parser.add_argument("--serve", help="a decoder's checkpoint directory to serve for the server page")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     args = parser.parse_args()
     found = find_browser()
@@ -72,9 +73,37 @@ def main() -> None:
                                        "temperature": 0.8, "seed": 1})
         shoot(driver, f"{server.url}playground?{play}", "document.getElementById('checkpoint').value",
               out / "view-playground.png", click="go")
+        if args.serve:
+            shoot_server(driver, args, out)
     finally:
         driver.quit()
         server.stop()
+
+
+def shoot_server(driver, args, out: Path) -> None:
+    """Serve ``args.serve``, send it a few completions through the playground, picture the server page."""
+    aeng, engine = serve_checkpoint(Path(args.serve))
+    view = Served(Path(args.runs_dir), engine.url)
+    try:
+        for seed in range(3):
+            play = urllib.parse.urlencode({"via": "server", "prompt": args.text, "max_new_tokens": 30, "seed": seed})
+            driver.get(f"{view.url}playground?{play}")
+            wait_for(driver, "document.getElementById('via').value === 'server'")
+            driver.find_element("id", "go").click()
+            wait_for(driver, "window.viewState.done", timeout=60)
+            error = driver.execute_script("return document.getElementById('message').textContent")
+            if error:
+                sys.exit(f"screenshots: the playground through the server: {error}")
+        driver.get(f"{view.url}server")
+        wait_for(driver, "window.viewState.status")
+        time.sleep(4.5)  # two more reads for the charts
+        driver.set_window_size(1400, 900)
+        time.sleep(0.5)
+        driver.save_screenshot(str(out / "view-server.png"))
+        print(out / "view-server.png")
+    finally:
+        view.stop()
+        stop_serving(aeng, engine)
 
 
 if __name__ == "__main__":

@@ -247,3 +247,65 @@ def test_cli_view_exports_and_refuses_a_missing_folder(root, tmp_path, capsys):
     assert "runs directory not found" in capsys.readouterr().err
     assert main(["view", str(root), "--export", str(tmp_path / "out"), "--text", "¿"]) == 0
     assert "outside the tokenizer" in (tmp_path / "out" / "attention.html").read_text()
+
+
+# ---------------------------------------------------------------------- a running `blockformer serve`
+def test_latency_quantiles_interpolate_within_a_bucket_as_promql_does():
+    from blockformer.view.server import quantile
+
+    buckets = [(0.1, 2.0), (0.5, 6.0), (1.0, 8.0), (float("inf"), 10.0)]
+    assert quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * (5 - 2) / 4)  # rank 5 of 10, in (0.1, 0.5]
+    assert quantile(0.99, buckets) == 1.0  # past the last finite bound
+    assert quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
+
+
+@pytest.fixture(scope="module")
+def serving(root):
+    pytest.importorskip("prometheus_client")
+    from view_browser import serve_checkpoint, stop_serving
+
+    aeng, served = serve_checkpoint(root / "dec" / "best")
+    yield served
+    stop_serving(aeng, served)
+
+
+def test_the_playground_through_the_server_streams_generates_greedy_text(root, serving):
+    client = TestClient(create_app(root, serving.url))
+    answer = client.post("/api/generate", json={"via": "server", "prompt": "the ", "max_new_tokens": 12,
+                                                "temperature": 0})
+    items = [json.loads(line) for line in answer.text.splitlines()]
+    ckpt = load_checkpoint(root / "dec" / "best")
+    prompt = ckpt.tokenizer.encode("the ")
+    expected = generate(ckpt.model, [prompt], 12, do_sample=False, eos_id=ckpt.tokenizer.eos_id)[0]
+    assert "".join(i["token"] for i in items) == ckpt.tokenizer.decode(expected)
+    with torch.no_grad():
+        probs = ckpt.model(torch.tensor([prompt + expected[:-1]]))[0].softmax(-1)
+    reference = [float(probs[len(prompt) - 1 + n, t]) for n, t in enumerate(expected)]
+    assert [i["prob"] for i in items] == pytest.approx(reference, abs=1e-4)
+
+
+def test_the_server_page_reads_the_servers_metrics(root, serving):
+    client = TestClient(create_app(root, serving.url))
+    client.post("/api/generate", json={"via": "server", "prompt": "the ", "max_new_tokens": 5, "temperature": 0})
+    status = client.get("/api/server").json()
+    assert status["model"] == "tiny" and status["requests_finished"] >= 1
+    assert status["gauges"]["kv_blocks_total"] == 64 and status["gauges"]["requests_running"] == 0
+    assert status["latency"]["e2e_request_latency_seconds"]["count"] >= 1
+    assert status["latency"]["e2e_request_latency_seconds"]["p50"] > 0
+
+
+def test_a_server_that_does_not_answer_is_a_clear_503_and_no_server_a_404(root, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    client = TestClient(create_app(root, url))
+    answer = client.get("/api/server")
+    assert answer.status_code == 503 and answer.json()["error"].startswith(f"the server at {url} does not answer")
+    answer = client.post("/api/generate", json={"via": "server", "prompt": "the"})
+    assert answer.status_code == 503
+    plain = TestClient(create_app(root))
+    assert plain.get("/api/server").status_code == 404
+    assert plain.post("/api/generate", json={"via": "server", "prompt": "a"}).json()["error"] == \
+        "via server: the view was started without --server URL"

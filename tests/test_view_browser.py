@@ -165,3 +165,37 @@ def test_the_static_export_opens_from_the_file_system(browser, root, tmp_path):
     assert browser.execute_script("return window.viewState.answer.tokens") == list(TEXT)
     requested = browser.execute_script("return performance.getEntries().map(e => e.name)")
     assert all(u.startswith(("file://", "data:")) for u in requested if "://" in u or u.startswith("data:"))
+
+
+def test_the_server_page_and_the_playground_through_it_say_when_the_server_stops(browser, root):
+    pytest.importorskip("prometheus_client")
+    from view_browser import serve_checkpoint, stop_serving
+
+    aeng, engine = serve_checkpoint(root / "dec" / "best")
+    view = Served(root, engine.url)
+    try:
+        query = urllib.parse.urlencode({"via": "server", "prompt": "the ", "temperature": 0, "max_new_tokens": 8})
+        load(browser, f"{view.url}playground?{query}", "document.getElementById('via').value === 'server'")
+        browser.find_element("id", "go").click()
+        wait_for(browser, "window.viewState.done")
+        text = browser.execute_script("return window.viewState.tokens.map(t => t.token).join('')")
+        ckpt = load_checkpoint(root / "dec" / "best")
+        assert text == ckpt.tokenizer.decode(generate(ckpt.model, [ckpt.tokenizer.encode("the ")], 8,
+                                                      do_sample=False, eos_id=ckpt.tokenizer.eos_id)[0])
+        load(browser, f"{view.url}server", "window.viewState.status")
+        rows = browser.execute_script("return [...document.querySelectorAll('#gauges tr')]"
+                                      ".map(r => [...r.cells].map(c => c.textContent))")
+        assert ["KV blocks in the pool", "64"] in rows and ["requests running", "0"] in rows
+        stop_serving(aeng, engine)
+        message = wait_for(browser, "document.querySelector('#message .error')?.textContent", timeout=10)
+        assert "does not answer" in message
+        browser.find_element("css selector", "header a[href=playground]").click()
+        wait_for(browser, "document.getElementById('via').options.length === 2")
+        browser.execute_script("document.getElementById('via').value = 'server'")
+        browser.find_element("id", "go").click()
+        message = wait_for(browser, "document.querySelector('#message .error')?.textContent", timeout=10)
+        assert "does not answer" in message
+    finally:
+        view.stop()
+        if engine.thread.is_alive():
+            stop_serving(aeng, engine)

@@ -23,18 +23,20 @@ def find_browser() -> tuple[str, str] | None:
 
 
 class Served:
-    """``create_app(root)`` under uvicorn on a free port of 127.0.0.1, in a daemon thread."""
+    """An app (default: ``create_app(root, server)``, the view) under uvicorn on a free port
+    of 127.0.0.1, in a daemon thread."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path | None = None, server: str | None = None, app: Any = None) -> None:
         import uvicorn
 
         from blockformer.view import create_app
 
+        app = app if app is not None else create_app(root, server)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}/"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(root), log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -47,6 +49,27 @@ class Served:
         self.server.should_exit = True
         self.thread.join(10)
         self.sock.close()
+
+
+def serve_checkpoint(path: Path) -> tuple[Any, Served]:
+    """``blockformer serve``'s engine and app over a checkpoint, as the command builds them:
+    (the started AsyncEngine, the Served app; its ``url`` has no trailing slash)."""
+    from blockformer.serve.api import build_app
+    from blockformer.serve.async_engine import AsyncEngine
+    from blockformer.serve.engine import Engine
+
+    aeng = AsyncEngine(Engine.from_checkpoint(path, num_blocks=64))
+    aeng.start()
+    served = Served(app=build_app(aeng, model_name="tiny"))
+    served.url = served.url.rstrip("/")
+    return aeng, served
+
+
+def stop_serving(aeng: Any, served: Served) -> None:
+    import asyncio
+
+    served.stop()
+    asyncio.run(aeng.shutdown(drain=False, timeout=10))
 
 
 def start_browser(browser: str, driver: str, width: int = 1400, height: int = 1000) -> Any:

@@ -1,7 +1,9 @@
-"""``blockformer view [RUNS_DIR] [--port N] [--host H] [--export DIR]``
+"""``blockformer view [RUNS_DIR] [--port N] [--host H] [--server URL] [--export DIR]``
 
 A local web view of the runs under RUNS_DIR (curves, configs, live while training), and
-of their checkpoints (attention, next tokens, a playground). It listens on 127.0.0.1 unless
+of their checkpoints (attention, next tokens, a playground); with ``--server URL``, of a
+running ``blockformer serve`` too (its queue, KV blocks, tokens/s and latencies, and the
+playground through it). It listens on 127.0.0.1 unless
 told otherwise and prints its URL. ``--export DIR`` writes the runs and attention pages as
 static files instead, openable from the file system.
 """
@@ -20,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder of run directories, or one run directory (default: runs)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8600, help="port to listen on (default: 8600; 0: any free port)")
+    parser.add_argument("--server", metavar="URL",
+                        help="a running `blockformer serve` (http://127.0.0.1:8000): the server page, and the "
+                             "playground through it")
     parser.add_argument("--export", metavar="DIR", help="write the runs and attention pages as static HTML into DIR")
     parser.add_argument("--checkpoint", metavar="RUN/CKPT",
                         help="--export: the checkpoint the attention page shows (default: the first found)")
@@ -43,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from ..view.app import create_app, plotly_js
 
     plotly_js()  # a missing plotly is a one-line error now, not a broken page later
-    app = create_app(root)
+    app = create_app(root, args.server)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     server = uvicorn.Server(config)
     _announce(server, args.host, root)

@@ -1,8 +1,9 @@
-"""The local web view over runs, checkpoints and (later) the engine: ``blockformer view``.
+"""The local web view over runs, checkpoints and the server: ``blockformer view``.
 
 Pages read what exists through the public Python API (``runs.py``: run directories and
 their ``metrics.jsonl``; ``checkpoints.py``: a checkpoint's attention, next tokens and
-generations) and add presentation only. ``app.create_app`` is the FastAPI app;
+generations) or a running server's HTTP API (``server.py``: ``/metrics``, completions) and
+add presentation only. ``app.create_app`` is the FastAPI app;
 ``export.export`` writes the runs and attention pages as static files.
 """
 

@@ -17,9 +17,11 @@ from typing import Any
 
 from ..errors import UsageError
 from . import checkpoints as ckpts
+from .server import Server, ServerGone
 from .runs import Run, checkpoints_of, config_diff, find_runs, read_config, read_new, summary
 
-PAGES = {"/": "runs.html", "/attention": "attention.html", "/next": "next.html", "/playground": "playground.html"}
+PAGES = {"/": "runs.html", "/attention": "attention.html", "/next": "next.html", "/playground": "playground.html",
+         "/server": "server.html"}
 RUNS_TTL = 2.0  # seconds a listing of the runs folder is reused
 DATA_MARK = "<!--DATA-->"  # where a static export puts its data into a page
 
@@ -106,19 +108,25 @@ def checkpoint_list(runs: Runs) -> list[dict[str, Any]]:
     return out
 
 
-def create_app(root: str | Path) -> Any:
-    """The FastAPI app for the runs folder ``root``."""
+def create_app(root: str | Path, server: str | None = None) -> Any:
+    """The FastAPI app for the runs folder ``root``; ``server``: the URL of a running
+    ``blockformer serve`` for the server page and the playground."""
     from fastapi import Body, FastAPI, Request
     from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
     from fastapi.staticfiles import StaticFiles
 
     runs, loaded = Runs(Path(root)), ckpts.Checkpoints()
+    remote = Server(server) if server else None
     app = FastAPI(title="blockformer view", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=static_dir()), name="static")
 
     @app.exception_handler(UsageError)
     async def usage(request: Request, e: UsageError) -> JSONResponse:
         return JSONResponse({"error": str(e)}, status_code=400)
+
+    @app.exception_handler(ServerGone)
+    async def gone(request: Request, e: ServerGone) -> JSONResponse:
+        return JSONResponse({"error": str(e)}, status_code=503)
 
     @app.exception_handler(LookupError)
     async def missing(request: Request, e: LookupError) -> JSONResponse:
@@ -176,9 +184,32 @@ def create_app(root: str | Path) -> Any:
 
     @app.post("/api/generate")
     def generate(body: dict = Body(...)) -> StreamingResponse:
-        ckpt = loaded.get(runs.checkpoint(body.get("checkpoint")))
-        tokens = ckpts.stream(ckpt, body.get("prompt", ""), body)  # checked here: a bad request is a 400
+        if body.get("via") == "server":
+            if remote is None:
+                raise UsageError("via server: the view was started without --server URL")
+            prompt = body.get("prompt", "")
+            if not isinstance(prompt, str) or not prompt:
+                raise UsageError("prompt: expected some text")
+            tokens = remote.complete(prompt, ckpts.sampling(body))
+        else:
+            ckpt = loaded.get(runs.checkpoint(body.get("checkpoint")))
+            tokens = ckpts.stream(ckpt, body.get("prompt", ""), body)  # checked here: a bad request is a 400
         lines = (json.dumps(t) + "\n" for t in tokens)
         return StreamingResponse(lines, media_type="application/x-ndjson")
+
+    @app.get("/api/info")
+    def info() -> dict[str, Any]:
+        return {"root": str(runs.root), "server": remote.url if remote else None}
+
+    @app.get("/api/server")
+    def server_status() -> dict[str, Any]:
+        if remote is None:
+            raise LookupError("no server: start the view with --server URL (the URL `blockformer serve` prints)")
+        status = remote.status()
+        try:
+            status["model"] = remote.model()
+        except UsageError:
+            status["model"] = None
+        return status
 
     return app

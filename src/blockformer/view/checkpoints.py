@@ -162,7 +162,7 @@ def stream(ckpt: Checkpoint, prompt: str, settings: dict[str, Any]) -> Iterator[
     _check_text_model(ckpt)
     if ckpt.config.model.arch != "decoder" or ckpt.config.head.task != "none":
         raise UsageError(f"playground: this checkpoint is {_what(ckpt)}; expected a decoder language model")
-    return _tokens(ckpt, encode(ckpt, prompt), _sampling(settings))
+    return _tokens(ckpt, encode(ckpt, prompt), sampling(settings))
 
 
 def _tokens(ckpt: Checkpoint, ids: list[int], options: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -217,7 +217,7 @@ def _probabilities(ckpt: Checkpoint, context: list[int], new: list[int]) -> list
     return [float("nan")] * (len(new) - n) + rows
 
 
-def _sampling(settings: dict[str, Any]) -> dict[str, Any]:
+def sampling(settings: dict[str, Any]) -> dict[str, Any]:
     """``generate``'s keyword arguments from the page's settings, checked."""
     def number(name: str, kind: Callable, low: float, high: float, default: Any) -> Any:
         value = settings.get(name, default)

@@ -33,7 +33,8 @@ function say(text, kind = "error", keep = false) {
 // The header: links to the pages, the static export's files where it is one.
 function header(here) {
   const pages = STATIC ? [["runs", "index.html"], ["attention", "attention.html"]] :
-    [["runs", "./"], ["attention", "attention"], ["next token", "next"], ["playground", "playground"]];
+    [["runs", "./"], ["attention", "attention"], ["next token", "next"], ["playground", "playground"],
+     ["server", "server"]];
   const bar = document.createElement("header");
   bar.innerHTML = "<b>blockformer view</b>";
   for (const [name, href] of pages) {

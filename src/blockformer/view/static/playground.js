@@ -9,10 +9,15 @@ const FIELDS = ["max_new_tokens", "temperature", "top_k", "top_p", "seed"];
 async function start() {
   header("playground");
   document.getElementById("form").onsubmit = e => { e.preventDefault(); run(); };
+  const via = document.getElementById("via");
+  via.onchange = () => { document.getElementById("checkpoint").disabled = via.value === "server"; };
   try {
+    const info = await api("api/info");
+    if (info.server) via.add(new Option(`the server at ${info.server}`, "server"));
     await fillCheckpoints(document.getElementById("checkpoint"), c => c.arch === "decoder");
   } catch (e) { say(e.message); }
-  fromURL(["checkpoint", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed"]);
+  fromURL(["via", "checkpoint", "prompt", ...FIELDS]);
+  via.onchange();
 }
 
 function colour(prob) {
@@ -25,7 +30,7 @@ async function run() {
   const out = document.getElementById("output");
   out.textContent = "";
   const body = {checkpoint: document.getElementById("checkpoint").value,
-    prompt: document.getElementById("prompt").value};
+    prompt: document.getElementById("prompt").value, via: document.getElementById("via").value};
   for (const f of FIELDS) body[f] = document.getElementById(f).value;
   const prompt = document.createElement("span");
   prompt.textContent = body.prompt;

@@ -268,3 +268,19 @@ def test_from_hf_takes_a_model_object_and_keeps_its_ids():
     ids = torch.randint(0, V, (2, 8))
     with torch.no_grad():
         assert (hf(ids).logits - imported.model(ids)).abs().max() <= ATOL
+
+
+def test_an_imported_chat_template_reaches_the_server(tmp_path):
+    """``convert --from-hf`` keeps the source's chat template next to the checkpoint, and
+    the serving engine picks it up (it answers /v1/chat/completions with it)."""
+    import json
+
+    from blockformer.cli import main
+    from blockformer.serve import Engine
+
+    src = save_hf(_randomize(DECODERS["gpt2"]()), tmp_path / "in")
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    assert main(["convert", "--from-hf", str(src), "--out", str(tmp_path / "ckpt")]) == 0
+    assert (tmp_path / "ckpt" / "chat_template.jinja").read_text() == template
+    assert Engine.from_checkpoint(tmp_path / "ckpt").chat_template == template

@@ -58,6 +58,11 @@ def run(args: argparse.Namespace) -> int:
     # Training or evaluating from this checkpoint uses its tokenizer and fits its position table.
     data = DataConfig(tokenizer=str(Path(args.out).resolve()), seq_len=min(DataConfig.seq_len, imported.config.max_seq_len))
     out = save_checkpoint(args.out, imported.model, imported.tokenizer, RunConfig(model=imported.config, data=data))
+    from ..serve.engine import chat_template_of  # noqa: PLC0415
+
+    template = chat_template_of(Path(args.from_hf))
+    if template is not None:  # `blockformer serve` answers /v1/chat/completions with it
+        (Path(out) / "chat_template.jinja").write_text(template, encoding="utf-8")
     n = sum(p.numel() for p in imported.model.parameters())
     print(f"imported {imported.family} ({imported.config.arch}, {n / 1e6:.2f}M parameters) -> {out}")
     return 0

@@ -60,6 +60,11 @@ class TransformerModel(nn.Module):
             return with_auxiliary_loss(self, loss, lambda: (targets != PAD).sum())  # counted only with MoE
         return self.head(h)
 
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of some final hidden states only (e.g. each row's last): what a server
+        needs from a prefill, without the (T, vocab) logits of every prompt position."""
+        return self._logits(h)
+
     @torch.no_grad()
     def _init_weights(self) -> None:
         """Normal(0, init_std) for matmuls; the projections that write into the residual

@@ -88,7 +88,7 @@ class AsyncEngine:
 
     def _admit(self, prompt, params: SamplingParams, request_id: str | None, source: bool) -> str:
         if self._draining or not self.alive:
-            raise QueueFull(0, retry_after=5) if self._draining else RuntimeError("the engine is not running")
+            raise RuntimeError("the engine is shutting down" if self._draining else "the engine is not running")
         self.engine.check_request(prompt, params, source)  # pure: raises UsageError at once
         with self._lock:
             if self._stats.waiting + self._pending >= self.engine.max_queued:

@@ -72,8 +72,9 @@ class _Request:
 
     def output(self) -> RequestOutput:
         seq = self.seq
+        prompt = seq.prompt if seq.source is None else seq.source  # a translation's prompt is its source
         out = RequestOutput(seq.request_id, self.new_ids, "".join(self.pieces), self.logprobs,
-                            self.finish_reason is not None, self.finish_reason, len(seq.prompt),
+                            self.finish_reason is not None, self.finish_reason, len(prompt),
                             seq.n_generated, seq.cached_tokens)
         self.pieces, self.new_ids = [], []
         self.logprobs = [] if self.logprobs is not None else None
@@ -136,7 +137,7 @@ class Engine:
             raise UsageError(f"checkpoint {path}: a {ckpt.config.head.task} head; serving expects a language "
                              "model, an encoder-decoder or an encoder")
         model = prepare_for_decoding(ckpt.model, precision, quantize, pack=True)
-        template = chat_template if chat_template is not None else _chat_template_of(Path(path))
+        template = chat_template if chat_template is not None else chat_template_of(Path(path))
         kwargs.setdefault("model_name", Path(path).resolve().name)
         return cls(model, ckpt.tokenizer, chat_template=template, **kwargs)
 
@@ -221,7 +222,7 @@ class Engine:
         self.steps_total += 1
         outputs = []
         calls = [plan.decodes] if plan.decodes else []
-        calls += [[seq] for seq, _ in plan.prefills]
+        calls += _group_prefills(plan.prefills)
         sizes = {id(seq): n for seq, n in plan.prefills}
         for seqs in self._split_first_calls(calls):
             rows = [self._row(seq, sizes.get(id(seq), 1)) for seq in seqs]
@@ -333,9 +334,24 @@ class Engine:
         return min(source_len + EXTRA_TARGET_LEN, self.max_context)
 
 
-def _chat_template_of(path: Path) -> str | None:
-    """A chat template a checkpoint carries: ``chat_template.jinja``, or the
-    ``chat_template`` field of a Hugging Face ``tokenizer_config.json``."""
+def _group_prefills(prefills: list[tuple[Sequence, int]], waste: float = 0.25) -> list[list[Sequence]]:
+    """Prefill chunks that share one model call: similar lengths, so that padding every
+    row to the longest wastes at most ``waste`` of the call (one call of 16 x 32 tokens
+    runs faster than 16 calls of 32)."""
+    groups: list[list[tuple[Sequence, int]]] = []
+    for seq, n in sorted(prefills, key=lambda p: -p[1]):
+        group = groups[-1] if groups else None
+        if group and (len(group) + 1) * group[0][1] <= (1 + waste) * (sum(m for _, m in group) + n):
+            group.append((seq, n))
+        else:
+            groups.append([(seq, n)])
+    return [[seq for seq, _ in g] for g in groups]
+
+
+def chat_template_of(path: Path) -> str | None:
+    """A chat template a checkpoint carries: ``chat_template.jinja`` (which
+    ``convert --from-hf`` writes), or the ``chat_template`` field of a Hugging Face
+    ``tokenizer_config.json``."""
     for d in (path, path / "best", path.parent):
         if (d / "chat_template.jinja").is_file():
             return (d / "chat_template.jinja").read_text()

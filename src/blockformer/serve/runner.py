@@ -23,7 +23,6 @@ from torch import nn
 
 from ..models.checks import trusted_inputs
 from ..nn.kv_cache import KVCache
-from ..generate.step import eval_mode
 
 
 @dataclass
@@ -168,12 +167,13 @@ class ModelRunner:
         tokens, positions = tokens.to(self.device), positions.to(self.device)
         cache_pos = torch.arange(view.S - T, view.S, device=self.device)
         mask = view.real
-        with eval_mode(self.model), trusted_inputs():
+        with trusted_inputs():  # the engine put the model in eval mode once; toggling it costs ~1 ms a call
             if self.arch == "encoder-decoder":
                 memory = rows[0].memory if len(rows) == 1 else None
                 logits = self.model.decode(tokens, memory, rows[0].memory_mask if memory is not None else None,
                                            tgt_mask=mask, positions=positions, cache=view, cache_pos=cache_pos)
-            else:
-                logits = self.model(tokens, attention_mask=mask, positions=positions, cache=view,
-                                    cache_pos=cache_pos)
+            else:  # the head on each row's last position only
+                h = self.model.hidden_states(tokens, attention_mask=mask, positions=positions, cache=view,
+                                             cache_pos=cache_pos)
+                logits = self.model.head_logits(h[:, -1:])
         return logits[:, -1].float(), view

@@ -309,3 +309,14 @@ def test_a_server_that_does_not_answer_is_a_clear_503_and_no_server_a_404(root, 
     assert plain.get("/api/server").status_code == 404
     assert plain.post("/api/generate", json={"via": "server", "prompt": "a"}).json()["error"] == \
         "via server: the view was started without --server URL"
+
+
+def test_cli_view_names_a_port_in_use_in_one_line(root, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["view", str(root), "--port", str(port)]) == 2
+    assert f"--port {port}: cannot listen there (Address already in use)" in capsys.readouterr().err

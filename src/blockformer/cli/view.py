@@ -11,6 +11,7 @@ static files instead, openable from the file system.
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from pathlib import Path
 
@@ -49,11 +50,24 @@ def run(args: argparse.Namespace) -> int:
 
     plotly_js()  # a missing plotly is a one-line error now, not a broken page later
     app = create_app(root, args.server)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
-    server = uvicorn.Server(config)
+    sock = _bind(args.host, args.port)  # a port in use is one line (exit 2), not uvicorn's log and exit 1
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     _announce(server, args.host, root)
-    server.run()
+    server.run(sockets=[sock])
     return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); expected a free port "
+                         f"(--port 0 picks one)") from None
+    return sock
 
 
 def _export(root: Path, args: argparse.Namespace) -> int:

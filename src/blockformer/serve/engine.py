@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,7 +139,7 @@ class Engine:
                              "model, an encoder-decoder or an encoder")
         model = prepare_for_decoding(ckpt.model, precision, quantize, pack=True)
         template = chat_template if chat_template is not None else chat_template_of(Path(path))
-        kwargs.setdefault("model_name", Path(path).resolve().name)
+        kwargs.setdefault("model_name", _model_name(Path(path)))
         return cls(model, ckpt.tokenizer, chat_template=template, **kwargs)
 
     # --- requests ---
@@ -346,6 +347,14 @@ def _group_prefills(prefills: list[tuple[Sequence, int]], waste: float = 0.25) -
         else:
             groups.append([(seq, n)])
     return [[seq for seq, _ in g] for g in groups]
+
+
+def _model_name(path: Path) -> str:
+    """What /v1/models calls a checkpoint: its run's name for ``RUN/best`` or ``RUN/step-N``."""
+    path = path.absolute()
+    if path.name == "best" or re.fullmatch(r"step-\d+", path.name):
+        return path.parent.name
+    return path.name
 
 
 def chat_template_of(path: Path) -> str | None:

@@ -4,7 +4,7 @@
         [--seq2seq RUN/best --source abc --target cba] [--serve CKPT_DIR] [--out docs]
 
 writes docs/view-runs.png, view-attention.png (and view-cross-attention.png), view-next.png
-and view-playground.png (and, with --serve, view-server.png). It serves RUNS_DIR on 127.0.0.1 as ``blockformer view`` does and
+view-playground.png and view-probes.png (and, with --serve, view-server.png). It serves RUNS_DIR on 127.0.0.1 as ``blockformer view`` does and
 drives Debian's ``chromium`` with selenium (tests/view_browser.py).
 """
 
@@ -73,6 +73,8 @@ def main() -> None:
                                        "temperature": 0.8, "seed": 1})
         shoot(driver, f"{server.url}playground?{play}", "document.getElementById('checkpoint').value",
               out / "view-playground.png", click="go")
+        shoot(driver, f"{server.url}probes?probe=toy", "window.viewState.probes.length", out / "view-probes.png",
+              click="go")
         if args.serve:
             shoot_server(driver, args, out)
     finally:

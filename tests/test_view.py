@@ -320,3 +320,21 @@ def test_cli_view_names_a_port_in_use_in_one_line(root, capsys):
         port = taken.getsockname()[1]
         assert main(["view", str(root), "--port", str(port)]) == 2
     assert f"--port {port}: cannot listen there (Address already in use)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- probes
+def test_the_probes_page_runs_a_probe_as_the_command_does(client):
+    from blockformer.probes import run_probe
+
+    listed = {p["name"]: p for p in client.get("/api/probes").json()}
+    assert listed["equivariance"]["options"][0] == {"name": "seq_len", "default": 8, "type": "int"}
+    answer = client.post("/api/probe", json={"name": "toy", "options": {"dtype": "float64"}}).json()
+    expected = run_probe("toy", dtype="float64").to_dict()
+    assert answer["columns"] == expected["columns"] and answer["rows"] == expected["rows"]
+    assert answer["plot"].startswith("data:image/png;base64,")
+    named = client.post("/api/probe", json={"name": "attention", "options": {"checkpoint": "dec/best", "text": "the"}})
+    assert named.json()["rows"][0][0] == "decoder.blocks.0.attn"
+    for options, message in [({"seq_len": "x"}, "seq_len: 'x'; expected an integer"),
+                             ({"nope": 1}, "probe equivariance: no option 'nope'; expected one of seq_len")]:
+        refused = client.post("/api/probe", json={"name": "equivariance", "options": options})
+        assert refused.status_code == 400 and refused.json()["error"].startswith(message)

@@ -199,3 +199,13 @@ def test_the_server_page_and_the_playground_through_it_say_when_the_server_stops
         view.stop()
         if engine.thread.is_alive():
             stop_serving(aeng, engine)
+
+
+def test_the_probes_page_shows_a_probes_table_and_plot(browser, served):
+    load(browser, f"{served.url}probes?probe=toy", "window.viewState.probes.length")
+    browser.find_element("id", "go").click()
+    wait_for(browser, "window.viewState.done")
+    assert console_errors(browser) == []
+    rows = browser.execute_script("return document.querySelectorAll('#result table tbody tr').length")
+    assert rows == len(browser.execute_script("return window.viewState.result.rows")) > 0
+    assert browser.execute_script("return document.querySelector('#result img').naturalWidth") > 100

@@ -17,11 +17,12 @@ from typing import Any
 
 from ..errors import UsageError
 from . import checkpoints as ckpts
+from . import probes
 from .server import Server, ServerGone
 from .runs import Run, checkpoints_of, config_diff, find_runs, read_config, read_new, summary
 
 PAGES = {"/": "runs.html", "/attention": "attention.html", "/next": "next.html", "/playground": "playground.html",
-         "/server": "server.html"}
+         "/probes": "probes.html", "/server": "server.html"}
 RUNS_TTL = 2.0  # seconds a listing of the runs folder is reused
 DATA_MARK = "<!--DATA-->"  # where a static export puts its data into a page
 
@@ -196,6 +197,17 @@ def create_app(root: str | Path, server: str | None = None) -> Any:
             tokens = ckpts.stream(ckpt, body.get("prompt", ""), body)  # checked here: a bad request is a 400
         lines = (json.dumps(t) + "\n" for t in tokens)
         return StreamingResponse(lines, media_type="application/x-ndjson")
+
+    @app.get("/api/probes")
+    def probe_list() -> list[dict[str, Any]]:
+        return probes.probe_list()
+
+    @app.post("/api/probe")
+    def probe(body: dict = Body(...)) -> Response:
+        name = body.get("name")
+        named = {c["name"]: runs.checkpoint(c["name"]) for c in checkpoint_list(runs)}
+        options = probes.options_of(name, body.get("options") or {}, named)
+        return fast_json(probes.run(name, options))
 
     @app.get("/api/info")
     def info() -> dict[str, Any]:

@@ -34,7 +34,7 @@ function say(text, kind = "error", keep = false) {
 function header(here) {
   const pages = STATIC ? [["runs", "index.html"], ["attention", "attention.html"]] :
     [["runs", "./"], ["attention", "attention"], ["next token", "next"], ["playground", "playground"],
-     ["server", "server"]];
+     ["probes", "probes"], ["server", "server"]];
   const bar = document.createElement("header");
   bar.innerHTML = "<b>blockformer view</b>";
   for (const [name, href] of pages) {

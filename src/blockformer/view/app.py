@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..train.run_dir import CONFIG_TOML
 from . import checkpoints as ckpts
 from . import probes
 from .server import Server, ServerGone
@@ -159,8 +160,13 @@ def create_app(root: str | Path, server: str | None = None) -> Any:
 
     @app.get("/api/config")
     def config(run: str) -> dict[str, Any]:
-        data, problem = read_config(runs.get(run))
-        return {"run": run, "config": data, "problem": problem}
+        found = runs.get(run)
+        data, problem = read_config(found)
+        try:
+            text = (found.path / CONFIG_TOML).read_text(encoding="utf-8", errors="replace") if data else None
+        except OSError:  # replaced or removed since: the parsed config is still shown
+            text = None
+        return {"run": run, "config": data, "problem": problem, "text": text}
 
     @app.get("/api/diff")
     def diff(a: str, b: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from .app import Runs, checkpoint_list, page, plotly_js, runs_listing, static_di
 from .runs import config_diff, read_config, read_new
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog."
+MAX_DIFFED = 25  # the export holds the config diff of every pair of its first this-many runs
 
 
 def export(root: str | Path, out: str | Path, checkpoint: str | None = None, text: str = DEFAULT_TEXT,
@@ -49,8 +50,8 @@ def runs_data(runs: Runs) -> dict[str, Any]:
     found = runs.all()
     metrics = {r.name: read_new(r)["columns"] for r in found}
     configs = {r.name: read_config(r)[0] for r in found}
-    diffs = {f"{a}\n{b}": config_diff(configs[a], configs[b]) for a in configs for b in configs
-             if a != b and configs[a] is not None and configs[b] is not None}
+    readable = [name for name, config in configs.items() if config is not None][:MAX_DIFFED]
+    diffs = {f"{a}\n{b}": config_diff(configs[a], configs[b]) for a in readable for b in readable if a != b}
     return {"runs": listing, "metrics": metrics, "configs": configs, "diffs": diffs}
 
 

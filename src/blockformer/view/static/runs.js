@@ -133,20 +133,22 @@ async function showConfig() {
   if (!a) return;
   try {
     const config = STATIC ? {config: STATIC.configs[a]} : await api(`api/config?run=${encodeURIComponent(a)}`);
-    pre.textContent = config.config ? `# ${a}\n` + JSON.stringify(config.config, null, 1) : (config.problem || "");
+    pre.textContent = config.text ? `# ${a}/config.toml\n${config.text}` :
+      config.config ? `# ${a}\n` + JSON.stringify(config.config, null, 1) : (config.problem || "");
     if (!b || a === b) return;
-    const diff = STATIC ? {diff: STATIC.diffs[`${a}\n${b}`] || []} :
+    const diff = STATIC ? {diff: STATIC.diffs[`${a}\n${b}`]} :
       await api(`api/diff?a=${encodeURIComponent(a)}&b=${encodeURIComponent(b)}`);
     const table = document.createElement("table");
     table.innerHTML = "<thead><tr><th>key</th><th></th><th></th></tr></thead>";
     table.tHead.rows[0].cells[1].textContent = a;
     table.tHead.rows[0].cells[2].textContent = b;
-    for (const row of diff.diff) {
+    for (const row of diff.diff || []) {
       const tr = table.insertRow();
       tr.insertCell().textContent = row.key;
       for (const v of [row.a, row.b]) tr.insertCell().textContent = v === null ? "—" : JSON.stringify(v);
     }
-    if (!diff.diff.length) out.textContent = `${a} and ${b} have the same config`;
+    if (!diff.diff) out.textContent = "this export holds the config diffs of its first 25 runs only";
+    else if (!diff.diff.length) out.textContent = `${a} and ${b} have the same config`;
     else out.appendChild(table);
   } catch (e) { say(e.message, "error", true); }
 }

@@ -93,13 +93,20 @@ class PagedView(KVCache):
         real = self.real
         pk.index_copy_(0, self.write, k.transpose(1, 2)[real].to(pk.dtype))
         pv.index_copy_(0, self.write, v.transpose(1, 2)[real].to(pv.dtype))
-        H, hd = pk.shape[1:]
-        gk = pk.index_select(0, self.read).view(self.B, self.S, H, hd).transpose(1, 2)
-        gv = pv.index_select(0, self.read).view(self.B, self.S, H, hd).transpose(1, 2)
+        gk = gather(pk, self.read, self.B, self.S, self.pool.buffer("k", len(self.read)))
+        gv = gather(pv, self.read, self.B, self.S, self.pool.buffer("v", len(self.read)))
         return gk, gv
 
     def reorder(self, index) -> None:  # pragma: no cover - beam search does not run on the pool
         raise NotImplementedError("a paged view is made for one call")
+
+
+def gather(pool: torch.Tensor, read: torch.Tensor, B: int, S: int, out: torch.Tensor) -> torch.Tensor:
+    """Rows ``read`` (B * S,) of a pool (slots, H_kv, hd) as (B, H_kv, S, hd), copied into
+    ``out``: a buffer kept from call to call, since a fresh one of tens of MB costs more in
+    page faults than the copy itself (benchmarks/bench_paged_attention.py)."""
+    torch.index_select(pool, 0, read, out=out)
+    return out.view(B, S, *pool.shape[1:]).transpose(1, 2)
 
 
 def _stack_cross(rows: list[RowInput], n_layers: int):
@@ -138,6 +145,16 @@ class PagedPool:
         self.k = [torch.zeros(slots, n_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(self.n_layers)]
         self.v = [torch.zeros(slots, n_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(self.n_layers)]
         self.dummy_slot = slots - 1
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def buffer(self, name: str, rows: int) -> torch.Tensor:
+        """A (rows, H_kv, hd) buffer for gathered keys or values: one per name, reused by
+        every layer (each layer's gathered keys are read before the next layer gathers)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[0] < rows:
+            buf = self.k[0].new_empty(max(rows, 2 * (0 if buf is None else buf.shape[0])), *self.k[0].shape[1:])
+            self._buffers[name] = buf
+        return buf[:rows]
 
     @staticmethod
     def bytes_per_block(model: nn.Module, block_size: int) -> int:

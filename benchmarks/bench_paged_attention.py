@@ -1,0 +1,79 @@
+"""What reading keys and values through block tables costs: one decode step's attention
+(a query per row over its past) from the paged pool, as the serving engine does it (gather
+each row's blocks with one ``index_select``, then SDPA with a mask for the shorter rows),
+against the same SDPA call on a contiguous cache (``generate``'s ``KVCache``). Per layer,
+GPT-2-small's heads (12 x 64), fp32, blocks of 16 tokens scattered through the pool.
+
+    python benchmarks/bench_paged_attention.py --threads 1 --out benchmarks/results/paged-attention.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+from blockformer.serve.runner import gather
+
+
+def timed(fn, repeats: int) -> float:
+    with torch.inference_mode():
+        for _ in range(5):
+            fn()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - start) / repeats
+
+
+def case(B: int, S: int, H: int = 12, hd: int = 64, block: int = 16, repeats: int = 200) -> tuple[float, float]:
+    """(contiguous, paged) seconds for one layer's decode attention: B rows, pasts of S/2..S."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(S // 2, S + 1, (B,), generator=g)
+    q = torch.randn(B, H, 1, hd, generator=g)
+    cache_k, cache_v = torch.randn(B, H, S, hd, generator=g), torch.randn(B, H, S, hd, generator=g)
+    mask = (torch.arange(S)[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    n_blocks = B * (S // block) * 2
+    pool_k, pool_v = torch.randn(n_blocks * block, H, hd, generator=g), torch.randn(n_blocks * block, H, hd, generator=g)
+    tables = torch.randperm(n_blocks, generator=g)[: B * (S // block)].view(B, S // block)  # scattered blocks
+    read = (tables[:, :, None] * block + torch.arange(block)).reshape(-1)  # (B * S,) pool slots
+    buf_k, buf_v = pool_k.new_empty(B * S, H, hd), pool_v.new_empty(B * S, H, hd)  # the engine keeps its buffers
+
+    def contiguous():
+        return F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask)
+
+    def paged():
+        k, v = gather(pool_k, read, B, S, buf_k), gather(pool_v, read, B, S, buf_v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return timed(contiguous, repeats), timed(paged, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split() if platform.system() == "Linux" else []
+    kind = "AVX512-BF16" if "avx512_bf16" in flags else "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
+    lines = [f"# Paged attention: one decode step's attention per layer ({kind} CPU, {args.threads} thread(s), "
+             f"torch {torch.__version__})", "",
+             "| rows | past tokens | contiguous cache (us) | gathered from blocks (us) | paged / contiguous |",
+             "|---:|---:|---:|---:|---:|"]
+    for B in (1, 16, 32):
+        for S in (128, 512, 1024):
+            c, p = case(B, S)
+            lines.append(f"| {B} | {S // 2}-{S} | {c * 1e6:.0f} | {p * 1e6:.0f} | {p / c:.2f} |")
+            print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

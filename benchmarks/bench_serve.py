@@ -77,6 +77,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, seeded per request")
     p.add_argument("--threads", type=int, default=1, help="server threads (OMP_NUM_THREADS / torch threads)")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the weights' dtype in every server")
     p.add_argument("--prefix-test", action="store_true",
                    help="instead: TTFT of requests sharing a prefix, the first (miss) vs the rest (hits)")
     p.add_argument("--prefix-len", type=int, default=512)
@@ -281,10 +282,11 @@ def serving(server: str, ckpt: Path, hf_dir: Path | None, args, cores: set[int] 
     common = ["--host", "127.0.0.1", "--port", str(port)]
     if server == "blockformer":
         cmd = [sys.executable, "-m", "blockformer", "serve", "--checkpoint", str(ckpt), *common,
-               "--device", "cpu", "--precision", "fp32", *shlex.split(args.blockformer_args)]
+               "--device", "cpu", "--precision", args.dtype, *shlex.split(args.blockformer_args)]
     else:
         exe = str(Path(sys.executable).with_name("transformers"))
-        cmd = [exe, "serve", str(hf_dir), "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+        cmd = [exe, "serve", str(hf_dir), "--continuous-batching", "--device", "cpu", "--dtype",
+               {"fp32": "float32", "bf16": "bfloat16"}[args.dtype],
                "--log-level", "warning", *common, *shlex.split(args.transformers_args)]
     print(f"\n== {server}: {shlex.join(cmd)}  (log: {log})", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
@@ -324,19 +326,19 @@ def _answers(base: str) -> bool:
         return False
 
 
-def bench_http(server: str, ckpt: Path, hf_dir: Path | None, prompts: list[str], schedules: dict, args,
+def bench_http(server: str, ckpt: Path, hf_dir: Path | None, prompts: dict, schedules: dict, args,
                cores: tuple) -> list[dict]:
     rows = []
     with serving(server, ckpt, hf_dir, args, cores[0], args.cache / f"{server}.log") as (url, name):
         for rate, arrivals in schedules.items():
-            bodies = [request(server, name, p, args, i) for i, p in enumerate(prompts)]
+            bodies = [request(server, name, p, args, i) for i, p in enumerate(prompts[rate])]
             results, duration = asyncio.run(send_all(url, bodies, arrivals, args.concurrency))
             rows.append(summarise(server, rate, results, duration))
             print_row(rows[-1])
     return rows
 
 
-def bench_sequential(ckpt: Path, prompts: list[str], schedules: dict, args, cores: tuple) -> list[dict]:
+def bench_sequential(ckpt: Path, prompts: dict, schedules: dict, args, cores: tuple) -> list[dict]:
     """The same schedule through ``generate``, one request at a time, in this process moved
     onto the server's cores (no client runs meanwhile)."""
     import torch  # noqa: PLC0415
@@ -351,11 +353,11 @@ def bench_sequential(ckpt: Path, prompts: list[str], schedules: dict, args, core
     torch.set_num_threads(args.threads)
     try:
         loaded = load_checkpoint(ckpt)
-        model = prepare_for_decoding(loaded.model, "fp32", None, pack=True)  # as `blockformer generate` does
-        ids = [loaded.tokenizer.encode(p) for p in prompts]
-        generate(model, [ids[0]], 2, temperature=0)  # warm-up
+        model = prepare_for_decoding(loaded.model, args.dtype, None, pack=True)  # as `blockformer generate` does
+        generate(model, [loaded.tokenizer.encode(prompts[next(iter(prompts))][0])], 2, temperature=0)  # warm-up
         rows = []
         for rate, arrivals in schedules.items():
+            ids = [loaded.tokenizer.encode(p) for p in prompts[rate]]
             results, finished, t0 = [], [], time.perf_counter()
             for i, (prompt, at) in enumerate(zip(ids, arrivals)):
                 sent = t0 + at  # it has arrived, and a slot is free once request i - cap has finished
@@ -458,8 +460,11 @@ def main() -> None:
                      f"{cfg.max_seq_len} positions")
         lines += prefix_test(ckpt, tokenizer, args, cores)
     else:
-        prompts = make_prompts(tokenizer, args.num_requests, args.prompt_len, np.random.default_rng(args.seed))
         rates = [float(r) for r in args.rates.split(",")]
+        # Prompts of their own at each rate: a server's prefix cache must not serve one rate's
+        # prompts from another's (every server sees the same ones at a given rate).
+        prompts = {r: make_prompts(tokenizer, args.num_requests, args.prompt_len, np.random.default_rng([args.seed, i]))
+                   for i, r in enumerate(rates)}
         schedules = {r: arrival_times(args.num_requests, r, args.seed) for r in rates}
         rows, notes = [], []
         for server in SERVERS if args.server == "all" else [args.server]:
@@ -474,7 +479,7 @@ def main() -> None:
                 print(notes[-1], flush=True)
         lines += [f"{args.num_requests} requests per rate, Poisson arrivals (seed {args.seed}), prompts of "
                   f"{args.prompt_len} tokens (corpus passages), {args.output_len} new tokens (ignore_eos), "
-                  f"temperature {args.temperature}, concurrency cap {args.concurrency or 'none'}; sequential: "
+                  f"temperature {args.temperature}, weights {args.dtype}, concurrency cap {args.concurrency or 'none'}; sequential: "
                   "blockformer.generate, one request at a time, no HTTP.", "",
                   *table(rows), "", *ratios(rows), *notes]
     text = "\n".join(lines) + "\n"

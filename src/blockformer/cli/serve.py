@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV-cache blocks in the pool (default: the engine sizes it)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
                         help="token budget of one engine step (prefill chunks + decodes; default 512)")
-    parser.add_argument("--max-running", type=int, default=32, metavar="N", help="requests in the batch at once")
+    parser.add_argument("--max-running", type=int, default=64, metavar="N",
+                        help="requests in the batch at once (default 64: on a CPU, throughput still grows there)")
     parser.add_argument("--max-queued", type=int, default=256, metavar="N",
                         help="requests waiting before new ones get 429 (default 256)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")

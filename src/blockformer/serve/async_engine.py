@@ -143,8 +143,7 @@ class AsyncEngine:
                 if self.engine.has_work():
                     outputs = self.engine.step()
                     self._stats = self.engine.stats()
-                    for out in outputs:
-                        self._deliver(out)
+                    self._deliver(outputs)
                 else:
                     self._wake.wait(0.5)
                     self._wake.clear()
@@ -186,10 +185,21 @@ class AsyncEngine:
         else:
             loop.call_soon_threadsafe(_settle, future, result, None)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is not None:
-            stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams: one wake-up of each event loop per step, not
+        one per request (on one core, the loop's time comes out of the model's)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _settle(future: asyncio.Future, result, error) -> None:

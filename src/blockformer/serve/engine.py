@@ -91,7 +91,7 @@ class Engine:
         block_size: int = 16,
         num_blocks: int | None = None,
         max_num_batched_tokens: int = 512,
-        max_running: int = 32,
+        max_running: int = 64,
         max_queued: int = 256,
         prefix_caching: bool = True,
         model_name: str = "blockformer",

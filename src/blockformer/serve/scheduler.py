@@ -23,7 +23,7 @@ from .blocks import BlockManager, BlockTable
 from .params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: `seq in running` must not compare fields
 class Sequence:
     """A request as the engine sees it. ``tokens`` is the prompt followed by the tokens
     made so far; the first ``n_computed`` of them hold keys and values in the pool."""

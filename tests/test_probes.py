@@ -297,3 +297,14 @@ def test_every_probe_plots(name, tmp_path):
     }[name]
     path = run_probe(name, **small).save_plot(tmp_path / f"{name}.png")
     assert path.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("options", [{"attention_scale": 1.0}, {"rope_interleaved": True}])
+def test_attention_recompute_follows_the_scale_and_rope_layout_the_model_uses(options):
+    """T5's unscaled scores and GPT-J's interleaved rope: the probe's weights reproduce the
+    module's output, not those of a 1/sqrt(head_dim), half-split rope model."""
+    cfg = TransformerConfig(arch="decoder", vocab_size=32, d_model=32, n_heads=4, n_layers=1, position="rope",
+                            init_std=0.5, **options)
+    model = build_model(cfg, seed=0).eval()
+    records = attention.capture(model, lambda: model(torch.tensor([[5, 6, 7, 8, 9]])))
+    assert records and all(r["error"] < 1e-5 for r in records)

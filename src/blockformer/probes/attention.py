@@ -65,9 +65,10 @@ def recompute(module: Attention, x: torch.Tensor, ctx: AttnInputs) -> tuple[torc
         q, k, v = module.qkv(x).split([H * hd, H_kv * hd, H_kv * hd], dim=-1)
         q, k, v = heads(q, H), heads(k, H_kv), heads(v, H_kv)
         if ctx.rope is not None:
-            q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
+            q, k = (apply_rope(t, *ctx.rope, module.rope_interleaved) for t in (q, k))
     k, v = k.repeat_interleave(H // H_kv, dim=1), v.repeat_interleave(H // H_kv, dim=1)  # GQA
-    scores = q.float() @ k.float().transpose(-2, -1) / math.sqrt(hd)  # (B, H, Tq, Tk)
+    scale = 1 / math.sqrt(hd) if module.scale is None else module.scale  # T5: no scaling (1.0)
+    scores = q.float() @ k.float().transpose(-2, -1) * scale  # (B, H, Tq, Tk)
     if ctx.mask is not None:
         mask = ctx.mask
         if mask.dtype == torch.bool:

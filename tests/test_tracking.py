@@ -185,6 +185,21 @@ def test_the_cli_logs_its_samples_as_text(tmp_path, capsys):
         assert event.step == 2 and event.tensor_proto.string_val[0].decode() == f"```\n{text.removesuffix(chr(10))}\n```"
 
 
+def test_each_evaluation_logs_text_samples_and_the_cli_adds_none_twice(tmp_path):
+    """Samples at steps 2 and 4 (the evaluations), each the same text the model writes
+    then; the command's end-of-run samples are not logged again at step 4."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i % 7} + {i}\n\n" for i in range(200)))
+    sets = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "train.progress=false",
+            f"data.text={corpus}", "data.tokenizer=char", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=32",
+            "model.max_seq_len=64", "train.batch_size=8", "train.steps=4", "train.eval_every=2", "train.samples=2",
+            "train.sample_tokens=8", "train.sample_prompts=def ", BOARD]
+    assert main(["train", *[a for s in sets for a in ("--set", s)], "--out", str(tmp_path / "run")]) == 0
+    acc = events(tmp_path / "run")
+    steps = {tag: [e.step for e in acc.Tensors(tag)] for tag in acc.Tags()["tensors"] if tag.startswith("samples/")}
+    assert steps == {"samples/0/text_summary": [2, 4], "samples/1/text_summary": [2, 4]}
+
+
 def test_each_sweep_point_logs_its_run_and_its_summary(tmp_path):
     from blockformer.scaling.sweep import ensure_point, point_config
 

@@ -159,12 +159,15 @@ def _reported_samples(ckpt, cfg: RunConfig, result) -> list[str]:
     """``lm_samples``, also into the run's TensorBoard events (``train.report_to``), or the
     reason there are none: the run is saved, and a sample must never fail it."""
     try:
-        texts = lm_samples(ckpt, cfg)
+        from ..train.samples import lm_samples  # noqa: PLC0415
+
+        texts = lm_samples(ckpt.model, ckpt.tokenizer, cfg)
     except (UsageError, ValueError) as e:
         return [f"(no samples: {e})"]
-    with append_tracker(result.run_dir, cfg.train.report_to) as tracker:  # TensorBoard's Text tab
-        for i, text in enumerate(texts):
-            tracker.text(f"samples/{i}", text, result.step)
+    if result.sampled_step != result.step:  # the last evaluation logged these already
+        with append_tracker(result.run_dir, cfg.train.report_to) as tracker:  # TensorBoard's Text tab
+            for i, text in enumerate(texts):
+                tracker.text(f"samples/{i}", text, result.step)
     return texts
 
 
@@ -181,16 +184,3 @@ def _eval_data(cfg: RunConfig) -> str:
     return ""
 
 
-def lm_samples(ckpt, cfg: RunConfig) -> list[str]:
-    """``train.samples`` continuations of ``train.sample_prompts`` (cycled), seeded."""
-    from ..generate import generate  # noqa: PLC0415
-    from ..tokenizers import EOS_ID  # noqa: PLC0415
-
-    prompts = cfg.train.sample_prompts or [""]
-    texts = []
-    for i in range(cfg.train.samples):
-        prompt = prompts[i % len(prompts)]
-        [ids] = generate(ckpt.model, [ckpt.tokenizer.encode(prompt) or [EOS_ID]], cfg.train.sample_tokens,
-                         temperature=0.8, top_k=50, eos_id=EOS_ID, seed=cfg.train.seed + i)
-        texts.append(prompt + ckpt.tokenizer.decode(ids))
-    return texts

@@ -66,6 +66,7 @@ from .setup import build_run
 from .step import train_step
 from .stopper import Stopper
 from .throughput import format_flops, peak_flops, utilisation
+from .samples import lm_samples, samples_at_eval
 from .tracking import Tracker, check_reporters, open_tracker
 
 __all__ = ["train", "train_step", "TrainResult", "NonFiniteLoss", "get_rng_state", "set_rng_state"]
@@ -84,6 +85,7 @@ class TrainResult:
     skipped: int = 0  # steps whose update was skipped for a non-finite loss (train.nonfinite="skip")
     restored: int = 0  # evaluations that found non-finite weights or loss and went back (skip)
     main: bool = True  # False on every rank of a parallel run but rank 0 (which reports)
+    sampled_step: int | None = None  # the last step whose text samples went to TensorBoard
 
 
 class NonFiniteLoss(UsageError):
@@ -314,8 +316,23 @@ def _evaluate_and_save(run: _Run) -> None:
     t_eval = time.perf_counter()
     run.result.val = _checked_eval(run)
     run.result.checkpoint = _save(run, run.result.val)
+    _log_samples(run)
     run.window.t0 += time.perf_counter() - t_eval  # tokens/s counts training time only
     run.tracker.flush()  # what TensorBoard shows of a live run is at most one evaluation old
+
+
+def _log_samples(run: _Run) -> None:
+    """Text samples into TensorBoard at an evaluation (``samples_at_eval``); a sample that
+    cannot be made (a prompt the tokenizer cannot encode) never fails the run."""
+    if not samples_at_eval(run.cfg) or run.runtime.world_size != 1:
+        return
+    try:
+        texts = lm_samples(run.model, run.tokenizer, run.cfg)
+    except ValueError:  # UsageError included
+        return
+    for i, text in enumerate(texts):
+        run.tracker.text(f"samples/{i}", text, run.step)
+    run.result.sampled_step = run.step
 
 
 def _finish(run: _Run) -> None:

@@ -41,6 +41,24 @@ def test_peak_is_cached_per_machine_and_precision_and_refreshed_on_request(tmp_p
     assert peak_flops(cpu, "fp32", cache_dir=tmp_path) == 4e9
 
 
+def test_a_cached_peak_below_the_one_thread_peak_is_measured_again_and_not_kept_low(tmp_path, monkeypatch):
+    """A peak measured while another process held a core (38 GFLOP/s at 2 threads against
+    101 at 1, as a shared machine cached it) made MFU read 250%: it is measured again, and a
+    figure still below the one-thread peak is used but not cached."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    key = f"{machine_key(cpu)}|fp32"
+    one = key.replace("|threads=2|", "|threads=1|")
+    (tmp_path / "peak.json").write_text(json.dumps({key: 38e9, one: 101e9}))
+    measured = iter([60e9, 190e9])
+    monkeypatch.setattr(throughput, "measure_peak", lambda device, dtype: next(measured))
+    assert peak_flops(cpu, "fp32", cache_dir=tmp_path) == 60e9  # still contended: used, not cached
+    assert json.loads((tmp_path / "peak.json").read_text())[key] == 38e9
+    assert peak_flops(cpu, "fp32", cache_dir=tmp_path) == 190e9  # quiet: cached
+    assert json.loads((tmp_path / "peak.json").read_text())[key] == 190e9
+    assert peak_flops(cpu, "fp32", cache_dir=tmp_path) == 190e9  # and read back, not measured (iterator spent)
+
+
 def test_utilisation_is_model_flops_over_the_peak():
     assert utilisation(6e6, 1000, 2.0, 1e10) == {"flops_per_s": 3e9, "mfu": pytest.approx(0.3)}
     assert utilisation(6e6, 1000, 2.0, None) == {"flops_per_s": 3e9}

@@ -168,15 +168,21 @@ def test_a_failed_run_closes_its_writer_with_what_it_logged(tmp_path, monkeypatc
     assert [s for s, _ in scalar(events(tmp_path / "run"), "train/loss")] == [1, 2, 3]
 
 
-def test_the_cli_logs_its_samples_as_text(tmp_path, capsys):
+def train_with_samples(tmp_path, steps: int, eval_every: int):
+    """``blockformer train`` of a tiny char model with 2 text samples, reporting to TensorBoard;
+    its events."""
     corpus = tmp_path / "c.txt"
     corpus.write_text("".join(f"def f{i}(x):\n    return x * {i % 7} + {i}\n\n" for i in range(200)))
     sets = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "train.progress=false",
             f"data.text={corpus}", "data.tokenizer=char", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=32",
-            "model.max_seq_len=64", "train.batch_size=8", "train.steps=2", "train.eval_every=0", "train.samples=2",
-            "train.sample_tokens=8", "train.sample_prompts=def ", BOARD]
+            "model.max_seq_len=64", "train.batch_size=8", f"train.steps={steps}", f"train.eval_every={eval_every}",
+            "train.samples=2", "train.sample_tokens=8", "train.sample_prompts=def ", BOARD]
     assert main(["train", *[a for s in sets for a in ("--set", s)], "--out", str(tmp_path / "run")]) == 0
-    acc = events(tmp_path / "run")
+    return events(tmp_path / "run")
+
+
+def test_the_cli_logs_its_samples_as_text(tmp_path, capsys):
+    acc = train_with_samples(tmp_path, steps=2, eval_every=0)
     texts = {tag: acc.Tensors(tag) for tag in acc.Tags()["tensors"] if tag.startswith("samples/")}
     assert sorted(texts) == ["samples/0/text_summary", "samples/1/text_summary"]
     printed = capsys.readouterr().out.split("-" * 60 + "\n")[1:3]  # the two samples, as printed
@@ -186,16 +192,9 @@ def test_the_cli_logs_its_samples_as_text(tmp_path, capsys):
 
 
 def test_each_evaluation_logs_text_samples_and_the_cli_adds_none_twice(tmp_path):
-    """Samples at steps 2 and 4 (the evaluations), each the same text the model writes
-    then; the command's end-of-run samples are not logged again at step 4."""
-    corpus = tmp_path / "c.txt"
-    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i % 7} + {i}\n\n" for i in range(200)))
-    sets = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "train.progress=false",
-            f"data.text={corpus}", "data.tokenizer=char", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=32",
-            "model.max_seq_len=64", "train.batch_size=8", "train.steps=4", "train.eval_every=2", "train.samples=2",
-            "train.sample_tokens=8", "train.sample_prompts=def ", BOARD]
-    assert main(["train", *[a for s in sets for a in ("--set", s)], "--out", str(tmp_path / "run")]) == 0
-    acc = events(tmp_path / "run")
+    """Samples at steps 2 and 4 (the evaluations); the command's end-of-run samples are not
+    logged again at step 4."""
+    acc = train_with_samples(tmp_path, steps=4, eval_every=2)
     steps = {tag: [e.step for e in acc.Tensors(tag)] for tag in acc.Tags()["tensors"] if tag.startswith("samples/")}
     assert steps == {"samples/0/text_summary": [2, 4], "samples/1/text_summary": [2, 4]}
 

@@ -26,14 +26,9 @@ from blockformer.train.checkpoint import load_checkpoint  # noqa: E402
 from blockformer.train.metrics import read_metrics  # noqa: E402
 from blockformer.view import create_app, export  # noqa: E402
 from blockformer.view.app import plotly_js  # noqa: E402
-from view_runs import make_runs, records, write_run  # noqa: E402
+from view_runs import SHORT, make_runs, records, root, write_run  # noqa: E402,F401 - root: a fixture
 
-TEXT = "the cat sat on the mat."
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return make_runs(tmp_path_factory.mktemp("runs"))
+TEXT = SHORT
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("plotly")
 pytest.importorskip("selenium")
 from view_browser import Served, console_errors, find_browser, requested_urls, start_browser, wait_for  # noqa: E402
-from view_runs import make_runs, records, write_run  # noqa: E402
+from view_runs import SHORT, make_runs, records, root, write_run  # noqa: E402,F401 - root: a fixture
 
 from blockformer.generate import generate  # noqa: E402
 from blockformer.train.checkpoint import load_checkpoint  # noqa: E402
@@ -29,12 +29,7 @@ from blockformer.view import export  # noqa: E402
 FOUND = find_browser()
 pytestmark = pytest.mark.skipif(FOUND is None, reason="no chromium and chromedriver on PATH (apt-get install "
                                                       "chromium chromium-driver)")
-TEXT = "the cat sat on the mat."
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return make_runs(tmp_path_factory.mktemp("runs"))
+TEXT = SHORT
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from blockformer.config import TransformerConfig
 from blockformer.models import build_model
 from blockformer.run_config import RunConfig
@@ -14,6 +16,7 @@ from blockformer.tokenizers import train_tokenizer
 from blockformer.train.checkpoint import save_checkpoint
 
 TEXT = "the cat sat on the mat. a dog ran far."
+SHORT = "the cat sat on the mat."  # what the pages' tests type
 
 
 def records(n: int, lr: float = 1e-3) -> list[dict]:
@@ -59,3 +62,9 @@ def make_runs(root: Path) -> Path:
                                               max_seq_len=64), records(5))
     write_run(root / "plain", None, records(12))
     return root
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """The runs folder of ``make_runs``, once per test module."""
+    return make_runs(tmp_path_factory.mktemp("runs"))

@@ -281,8 +281,7 @@ class Engine:
         if req.finish_reason is None and (seq.n_generated >= p.max_tokens or len(seq.tokens) >= self.max_context):
             req.finish_reason = "length"
         if req.finish_reason is not None:
-            if req.finish_reason != "stop" or not req.stream.stop(0, []):
-                req.stream.finish()
+            req.stream.finish()  # what was held back as a possible stop string (a hit was cut already)
             self.scheduler.remove(seq)
             del self.requests[seq.request_id]
         return req.output()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..generate.sampling import _top_k, _top_p, sample
+from ..generate.sampling import Sampling, sample
 from .params import SamplingParams, TokenLogprob
 
 
@@ -29,12 +29,8 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         logits = logits.index_fill(0, torch.tensor(blocked, device=logits.device), float("-inf"))
     if params.greedy:
         return int(logits.argmax())
-    logits = (logits / params.temperature)[None]
-    if params.top_k:
-        logits = _top_k(logits, params.top_k)
-    if params.top_p < 1:
-        logits = _top_p(logits, params.top_p)
-    probs = logits.softmax(dim=-1)
+    filters = Sampling(params.temperature, params.top_k or None, params.top_p if params.top_p < 1 else None)
+    probs = filters.process(logits[None]).softmax(dim=-1)  # generate's temperature, top-k, top-p
     if params.min_p > 0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return int(sample(probs, generator)[0])

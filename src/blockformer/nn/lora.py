@@ -70,6 +70,7 @@ class LoRALinear(nn.Linear):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias  # the same Parameters: the base stays shared
         self.rank, self.parts = rank, dict(parts)
+        self.alpha, self.rslora = alpha, rslora  # kept for export (interop.peft)
         self.scale = alpha / math.sqrt(rank) if rslora else alpha / rank
         self.lora_dropout = Dropout(dropout)
         self.lora_A = nn.ParameterDict()
@@ -119,8 +120,9 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, lora rank={self.rank}, parts={list(self.parts)}, scale={self.scale:.3g}"
 
 
-def _targets_of(module: nn.Module, targets: list[str]) -> dict[str, dict[str, tuple[int, int]]]:
-    """``{child name: {part: (first row, end row)}}`` of one attention or FFN module."""
+def lora_parts(module: nn.Module, targets: list[str]) -> dict[str, dict[str, tuple[int, int]]]:
+    """``{child name: {part: (first row, end row)}}``: where ``targets`` put adapters in one
+    attention or FFN module (nothing for any other module)."""
     found: dict[str, dict[str, tuple[int, int]]] = {}
     if isinstance(module, Attention):
         if "qkv" in targets:
@@ -155,7 +157,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
         p.requires_grad_(False)
     count = 0
     for module in list(model.modules()):
-        for child, parts in _targets_of(module, list(cfg.targets)).items():
+        for child, parts in lora_parts(module, list(cfg.targets)).items():
             base = getattr(module, child)
             setattr(module, child, LoRALinear(base, parts, cfg.rank, cfg.alpha, cfg.rslora, cfg.dropout))
             count += 1

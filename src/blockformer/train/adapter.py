@@ -1,23 +1,27 @@
 """The weights file of a checkpoint: all weights, or a LoRA run's adapter.
 
 A LoRA run saves only its adapters and its task head (``adapter.safetensors``, whose
-metadata names the base checkpoint) instead of ``model.safetensors``; loading one rebuilds
-the base and lays these tensors over it (``checkpoint.load_weights``).
+metadata names the base checkpoint and holds a fingerprint of the base weights) instead of
+``model.safetensors``; loading one rebuilds the base, checks the fingerprint (a base changed
+since the adapter was trained is refused; an adapter written before fingerprints loads as
+before) and lays these tensors over it (``checkpoint.load_weights``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
 import safetensors
 import safetensors.torch
+import torch
 from torch import nn
 
 from ..errors import UsageError
 from ..models.heads import TaskModel
-from ..nn.lora import adapter_state, lora_layers
+from ..nn.lora import LORA_MARK, adapter_state, lora_layers
 from ..run_config import RunConfig
 
 ADAPTER = "adapter.safetensors"
@@ -42,12 +46,48 @@ def save_weights(model: nn.Module, directory: Path, config: RunConfig, weights_n
         return
     tensors = {k: v.contiguous() for k, v in adapter_state(model, _trained_prefixes(model)).items()}
     base = os.path.abspath(config.train.init_from)  # abspath keeps a `best` link unresolved
-    safetensors.torch.save_file(tensors, str(directory / ADAPTER), metadata={"base": base, "format": "blockformer-lora"})
+    meta = {"base": base, "format": "blockformer-lora", "base_fingerprint": base_fingerprint(model)}
+    safetensors.torch.save_file(tensors, str(directory / ADAPTER), metadata=meta)
 
 
 def read_adapter_base(directory: Path) -> str:
+    return _adapter_metadata(directory).get("base", "")
+
+
+def _adapter_metadata(directory: Path) -> dict[str, str]:
     with safetensors.safe_open(str(directory / ADAPTER), framework="pt") as f:
-        return (f.metadata() or {}).get("base", "")
+        return f.metadata() or {}
+
+
+def base_fingerprint(model: nn.Module) -> str:
+    """sha256 over the base weights of a LoRA model: every tensor but the adapters and a
+    task head, in name order, each as its name, dtype, shape and bytes (a tied tensor once).
+    About 0.6 s for GPT-2 small's 124M fp32 parameters on one (shared) CPU core."""
+    digest, seen = hashlib.sha256(), set()
+    trained = _trained_prefixes(model)
+    for name, t in sorted(model.state_dict().items()):
+        if LORA_MARK in name or name.startswith(trained):
+            continue
+        key = (t.data_ptr(), t.dtype, tuple(t.shape))
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}:{'tied' if key in seen else ''};".encode())
+        if key not in seen and t.numel():
+            seen.add(key)
+            data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            digest.update(memoryview(data.numpy()))
+    return "sha256:" + digest.hexdigest()
+
+
+def check_base_fingerprint(model: nn.Module, directory: Path, base: str) -> None:
+    """Refuse an adapter whose base weights (now loaded into ``model``) are not the ones it
+    was trained on; an adapter without a recorded fingerprint (older) is not checked."""
+    recorded = _adapter_metadata(directory).get("base_fingerprint")
+    if recorded is None:
+        return
+    now = base_fingerprint(model)
+    if now != recorded:
+        raise UsageError(f"{directory / ADAPTER}: its base {base} has changed since the adapter was trained "
+                         f"(base weights {now[:19]}, recorded {recorded[:19]}); expected the checkpoint this "
+                         f"adapter was trained on")
 
 
 def load_adapter_tensors(model: nn.Module, directory: Path, device: Any = "cpu") -> None:

@@ -1,8 +1,9 @@
 """The registry: one small module per Hugging Face family, keyed by ``model_type``.
 
 A family says how a Hugging Face ``config.json`` maps to a ``TransformerConfig`` and back,
-which blockformer configs it can express (``fixed``: field -> allowed values; anything
-else is refused, naming the field), and its key map (``rules``).
+which blockformer configs it can express (``mapped``: fields it writes, whatever their
+value; ``fixed``: field -> allowed values; every other field must be at its neutral value,
+or the export is refused naming it), and its key map (``rules``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from ...config import TransformerConfig
 from ...errors import UsageError
 from .base import (  # noqa: F401 - the shared helpers, still importable from here
     ACTIVATIONS,
-    NEUTRAL,
+    SHAPE,
+    TRAINING_ONLY,
     Family,
     HasTensor,
     activation_from_hf,
@@ -23,7 +25,7 @@ from .base import (  # noqa: F401 - the shared helpers, still importable from he
     integer,
     mapping,
     need,
-    neutral,
+    neutral_value,
     number,
     refuse,
     text,

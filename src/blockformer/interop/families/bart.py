@@ -14,7 +14,7 @@ import torch
 from ...config import TransformerConfig
 from ...nn.position import sinusoidal_table
 from ..rules import Rule, linear, norm
-from .base import Family, activation_from_hf, activation_to_hf, equal_or_refuse, flag, need, neutral, refuse, text
+from .base import SHAPE, Family, activation_from_hf, activation_to_hf, equal_or_refuse, flag, need, refuse, text
 
 
 def _config_from_hf(hf: dict, has, where: str, marian: bool) -> TransformerConfig:
@@ -62,8 +62,10 @@ def _config_to_hf(cfg: TransformerConfig, ids: dict[str, int], marian: bool) -> 
 def rules(cfg: TransformerConfig) -> list[Rule]:
     p = "model."
     out = [Rule("tgt_embed.tokens.weight", (p + "shared.weight",), vocab=True)]
-    if not cfg.tie_embeddings:
+    if not cfg.tie_embeddings:  # transformers then ties no stack to `shared`: each is written too
         out += [Rule("src_embed.tokens.weight", (p + "shared.weight",), vocab=True),
+                Rule("src_embed.tokens.weight", (p + "encoder.embed_tokens.weight",), vocab=True),
+                Rule("tgt_embed.tokens.weight", (p + "decoder.embed_tokens.weight",), vocab=True),
                 Rule("head.weight", ("lm_head.weight",), vocab=True)]
     if cfg.head_bias:
         out.append(Rule("head.bias", ("final_logits_bias",), flat=True, vocab=True))
@@ -105,22 +107,26 @@ def extra(cfg: TransformerConfig) -> dict:
     return out
 
 
-_FIXED = {**neutral("head_bias"), "norm": ("layer",), "norm_position": ("post",), "bias": (True,),
+_MAPPED = (*SHAPE, "n_encoder_layers", "n_decoder_layers", "gelu_approximate", "tie_embeddings", "scale_embeddings",
+           "head_bias")
+_FIXED = {"norm": ("layer",), "norm_position": ("post",), "bias": (True,),
           "ffn": ("gelu", "relu", "silu"), "norm_eps": (1e-5,)}
 
 BART = Family(
     name="bart", model_types=("bart",),
     signature={"arch": ("encoder-decoder",), "position": ("learned",)},
-    fixed={**_FIXED, "position_offset": (2,), "embedding_norm": (True,)},
+    mapped=_MAPPED, fixed={**_FIXED, "position_offset": (2,), "embedding_norm": (True,)},
     config_from_hf=lambda hf, has, where: _config_from_hf(hf, has, where, marian=False),
     config_to_hf=lambda cfg, ids: _config_to_hf(cfg, ids, marian=False), rules=rules,
     outside=("lm_head.", "final_logits_bias"), prefix="model.", ignore=ignore, extra=extra,
-    aliases={"model.shared.weight": ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")},
+    aliases={"model.shared.weight": ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"),
+             # files written by older transformers keep only `shared`
+             **{f"model.{s}.embed_tokens.weight": ("model.shared.weight",) for s in ("encoder", "decoder")}},
 )
 MARIAN = Family(
     name="marian", model_types=("marian",),
     signature={"arch": ("encoder-decoder",), "position": ("sinusoidal",)},
-    fixed={**_FIXED, "sinusoid_layout": ("split",)},
+    mapped=_MAPPED, fixed={**_FIXED, "sinusoid_layout": ("split",)},
     config_from_hf=lambda hf, has, where: _config_from_hf(hf, has, where, marian=True),
     config_to_hf=lambda cfg, ids: _config_to_hf(cfg, ids, marian=True), rules=rules,
     outside=("lm_head.", "final_logits_bias"), prefix="model.", ignore=ignore, extra=extra,

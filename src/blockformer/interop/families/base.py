@@ -1,11 +1,13 @@
-"""What every family module shares: the ``Family`` record, the fields no family expresses
-(``NEUTRAL``), and the readers of Hugging Face ``config.json`` values that name the key and
+"""What every family module shares: the ``Family`` record and its export check (every
+``TransformerConfig`` field mapped by the family, held to values it can express, or at its
+neutral value), and the readers of Hugging Face ``config.json`` values that name the key and
 the file when a value is wrong. A leaf of the package: the family modules and the registry
 (``families/__init__.py``) import it, it imports neither.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -22,6 +24,7 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     signature: dict[str, Any]  # export: the fields that pick this family (arch, position, norm)
+    mapped: tuple[str, ...]  # export: fields config_to_hf writes, whatever their value
     fixed: dict[str, tuple]  # export: field -> the values this family can express
     config_from_hf: Callable[[dict, HasTensor, str], TransformerConfig]  # (hf config, has, where)
     config_to_hf: Callable[[TransformerConfig, dict[str, int]], dict]  # (config, hf special ids)
@@ -31,38 +34,47 @@ class Family:
     ignore: Callable[[TransformerConfig], list[str]] = lambda cfg: []  # regexes import may skip
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> older spellings
     extra: Callable[[TransformerConfig], dict] = lambda cfg: {}  # export: tensors HF needs that we lack
+    check: Callable[[TransformerConfig], None] = lambda cfg: None  # export: constraints across fields
 
     def check_exportable(self, cfg: TransformerConfig) -> None:
-        for name, allowed in self.fixed.items():
-            value = getattr(cfg, name)
-            if value not in allowed:
-                want = " or ".join(repr(a) for a in allowed)
-                raise UsageError(
-                    f"model.{name}={value!r} has no counterpart in Hugging Face {self.name}; expected {want}"
-                )
+        """Every field of the config, in order: a ``fixed`` one must hold a value the family
+        can express, a ``mapped`` (or training-only) one may be anything, and every other one,
+        including fields added to ``TransformerConfig`` after this family was written, must be
+        at its neutral value. So nothing the family would silently drop gets exported."""
+        for f in dataclasses.fields(cfg):
+            value = getattr(cfg, f.name)
+            if f.name in self.fixed:
+                allowed = self.fixed[f.name]
+                if value not in allowed:
+                    want = " or ".join(repr(a) for a in allowed)
+                    raise UsageError(f"model.{f.name}={value!r} has no counterpart in Hugging Face {self.name}; "
+                                     f"expected {want}")
+            elif f.name not in self.mapped and f.name not in TRAINING_ONLY:
+                neutral = neutral_value(cfg, f.name)
+                if value != neutral:
+                    raise UsageError(f"model.{f.name}={value!r} has no counterpart in Hugging Face {self.name}; "
+                                     f"expected {neutral!r} (its default, which {self.name} computes)")
+        self.check(cfg)
 
 
-# Fields no family expresses unless it says otherwise: the blockformer-only experiments.
-NEUTRAL: dict[str, tuple] = {
-    "residual": ("plain",),
-    "norm_bias": (True,),
-    "rope_interleaved": (False,),
-    "sinusoid_layout": ("interleaved",),
-    "position_offset": (0,),
-    "n_token_types": (0,),
-    "embedding_norm": (False,),
-    "head_transform": (False,),
-    "head_bias": (False,),
-    "output_scale": (1.0,),
-    "pooler": (False,),
-    "attention_scale": (None,),
-    "src_vocab_size": (None,),
-}
+# The fields every family writes into its config.json: which family, and the sizes.
+SHAPE = ("arch", "position", "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", "norm_eps")
+
+# Fields that shape training only (initialisation, dropout, auxiliary losses): a trained
+# model computes the same outputs whatever they are, so every family exports them.
+TRAINING_ONLY = frozenset({"dropout", "attention_dropout", "init_std", "residual_gate_init", "router_aux_coef",
+                           "router_z_coef", "expert_capacity_factor"})
 
 
-def neutral(*free: str) -> dict[str, tuple]:
-    """``NEUTRAL`` without the fields a family expresses freely."""
-    return {k: v for k, v in NEUTRAL.items() if k not in free}
+def neutral_value(cfg: TransformerConfig, name: str) -> Any:
+    """What ``cfg.name`` would be had it been left at its default (a derived field such as
+    ``n_kv_heads`` derives it from the rest of ``cfg``: ``n_heads``)."""
+    f = next(f for f in dataclasses.fields(cfg) if f.name == name)
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    try:
+        return getattr(dataclasses.replace(cfg, **{name: default}), name)
+    except (TypeError, ValueError):  # the rest of cfg needs this field set: the plain default
+        return default
 
 
 _ABSENT = object()

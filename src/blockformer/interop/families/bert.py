@@ -13,7 +13,7 @@ import torch
 from ...config import TransformerConfig
 from ...errors import UsageError
 from ..rules import Rule, linear, norm
-from .base import Family, activation_from_hf, activation_to_hf, flag, integer, need, neutral, number, refuse, text
+from .base import SHAPE, Family, activation_from_hf, activation_to_hf, flag, integer, need, number, refuse, text
 
 HEAD = "cls.predictions."
 
@@ -36,11 +36,16 @@ def config_from_hf(hf: dict, has, where: str) -> TransformerConfig:
     )
 
 
-def config_to_hf(cfg: TransformerConfig, ids: dict[str, int]) -> dict:
+def check(cfg: TransformerConfig) -> None:
     if cfg.head_bias != cfg.head_transform:
-        raise UsageError(f"model.head_bias={cfg.head_bias!r} has no counterpart in Hugging Face bert; "
-                         f"expected head_bias == head_transform (BERT's MLM head has both or neither)")
-    arch = "BertForMaskedLM" if cfg.head_transform else "BertModel"
+        raise UsageError(f"model.head_bias={cfg.head_bias!r} with head_transform={cfg.head_transform!r} has no "
+                         f"counterpart in Hugging Face bert; expected head_bias == head_transform (BERT's MLM head "
+                         f"has both or neither)")
+
+
+def config_to_hf(cfg: TransformerConfig, ids: dict[str, int]) -> dict:
+    # BertForMaskedLM has no pooler: a model with both is BertForPreTraining (NSP head zero).
+    arch = ("BertForPreTraining" if cfg.pooler else "BertForMaskedLM") if cfg.head_transform else "BertModel"
     return {
         "model_type": "bert", "architectures": [arch], "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "intermediate_size": cfg.d_ff,
@@ -83,18 +88,21 @@ def ignore(cfg: TransformerConfig) -> list[str]:
 
 
 def extra(cfg: TransformerConfig) -> dict:
-    # BERT always adds a segment vector: with no token types, a zero row adds nothing.
-    if cfg.n_token_types:
-        return {}
-    return {"bert.embeddings.token_type_embeddings.weight": torch.zeros(1, cfg.d_model)}
+    out = {}
+    if not cfg.n_token_types:  # BERT always adds a segment vector: with no token types, a zero row adds nothing
+        out["bert.embeddings.token_type_embeddings.weight"] = torch.zeros(1, cfg.d_model)
+    if cfg.pooler and cfg.head_transform:  # BertForPreTraining's next-sentence head, which blockformer lacks
+        out.update({"cls.seq_relationship.weight": torch.zeros(2, cfg.d_model), "cls.seq_relationship.bias": torch.zeros(2)})
+    return out
 
 
 FAMILY = Family(
     name="bert", model_types=("bert",),
     signature={"arch": ("encoder",), "position": ("learned",)},
-    fixed={**neutral("n_token_types", "head_transform", "head_bias", "pooler"), "norm": ("layer",),
+    mapped=(*SHAPE, "gelu_approximate", "n_token_types", "head_transform", "head_bias", "pooler"),
+    fixed={"norm": ("layer",),
            "norm_position": ("post",), "ffn": ("gelu", "relu", "silu"),
            "bias": (True,), "scale_embeddings": (False,), "tie_embeddings": (True,), "embedding_norm": (True,)},
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=rules,
-    prefix="bert.", outside=("cls.",), ignore=ignore, extra=extra,
+    prefix="bert.", outside=("cls.",), ignore=ignore, extra=extra, check=check,
 )

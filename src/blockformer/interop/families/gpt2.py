@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ...config import TransformerConfig
 from ..rules import Rule, linear, norm
-from .base import NEUTRAL, Family, activation_from_hf, activation_to_hf, flag, integer, need, number, refuse, text
+from .base import SHAPE, Family, activation_from_hf, activation_to_hf, flag, integer, need, number, refuse, text
 
 
 def config_from_hf(hf: dict, has, where: str) -> TransformerConfig:
@@ -67,7 +67,8 @@ def ignore(cfg: TransformerConfig) -> list[str]:
 FAMILY = Family(
     name="gpt2", model_types=("gpt2",),
     signature={"arch": ("decoder",), "position": ("learned",)},
-    fixed={**NEUTRAL, "norm": ("layer",), "norm_position": ("pre",), "ffn": ("gelu", "relu", "silu"),
+    mapped=(*SHAPE, "tie_embeddings", "gelu_approximate"),
+    fixed={"norm": ("layer",), "norm_position": ("pre",), "ffn": ("gelu", "relu", "silu"),
            "bias": (True,), "scale_embeddings": (False,), "attention_scale": (None, 1.0)},
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=rules,
     prefix="transformer.", outside=("lm_head.",), ignore=ignore,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ...config import TransformerConfig
 from ..rules import Rule, linear, norm
-from .base import NEUTRAL, Family, flag, integer, mapping, need, number, refuse, text
+from .base import SHAPE, Family, flag, integer, mapping, need, number, refuse, text
 
 
 def _rope_theta(hf: dict, where: str) -> float:
@@ -83,7 +83,8 @@ def ignore(cfg: TransformerConfig) -> list[str]:
 FAMILY = Family(
     name="llama", model_types=("llama", "mistral"),
     signature={"arch": ("decoder",), "position": ("rope",)},
-    fixed={**NEUTRAL, "rope_interleaved": (False, True), "norm": ("rms",), "norm_position": ("pre",),
+    mapped=(*SHAPE, "n_kv_heads", "rope_base", "bias", "tie_embeddings"),
+    fixed={"rope_interleaved": (False, True), "norm": ("rms",), "norm_position": ("pre",),
            "ffn": ("swiglu",), "scale_embeddings": (False,)},
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=rules,
     prefix="model.", outside=("lm_head.",), ignore=ignore,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ...config import TransformerConfig
 from ...errors import UsageError
 from ..rules import Rule, linear, norm
-from .base import Family, flag, integer, need, neutral, number, refuse, text
+from .base import SHAPE, Family, flag, integer, need, number, refuse, text
 
 FFNS = {"relu": ("relu", "none"), "gated-gelu": ("geglu", "tanh"), "gated-silu": ("swiglu", "none"),
         "gelu": ("gelu", "none"), "gated-relu": None}
@@ -40,7 +40,7 @@ def config_from_hf(hf: dict, has, where: str) -> TransformerConfig:
     )
 
 
-def config_to_hf(cfg: TransformerConfig, ids: dict[str, int]) -> dict:
+def check(cfg: TransformerConfig) -> None:
     names = {v: k for k, v in FFNS.items() if v}
     if (cfg.ffn, cfg.gelu_approximate) not in names:
         raise UsageError(f"model.gelu_approximate={cfg.gelu_approximate!r} with ffn={cfg.ffn!r} has no counterpart "
@@ -48,11 +48,14 @@ def config_to_hf(cfg: TransformerConfig, ids: dict[str, int]) -> dict:
     if cfg.output_scale not in (1.0, cfg.d_model**-0.5):
         raise UsageError(f"model.output_scale={cfg.output_scale!r} has no counterpart in Hugging Face t5; "
                          f"expected 1.0 or d_model^-0.5 = {cfg.d_model**-0.5!r}")
-    proj = names[(cfg.ffn, cfg.gelu_approximate)]
+
+
+def config_to_hf(cfg: TransformerConfig, ids: dict[str, int]) -> dict:
+    proj = {v: k for k, v in FFNS.items() if v}[(cfg.ffn, cfg.gelu_approximate)]
     return {
         "model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "vocab_size": cfg.vocab_size,
         "d_model": cfg.d_model, "d_kv": cfg.head_dim, "d_ff": cfg.d_ff, "num_layers": cfg.n_encoder_layers,
-        "num_decoder_layers": cfg.n_decoder_layers, "num_heads": cfg.n_heads,
+        "num_decoder_layers": cfg.n_decoder_layers, "num_heads": cfg.n_heads, "n_positions": cfg.max_seq_len,
         "relative_attention_num_buckets": cfg.relative_buckets,
         "relative_attention_max_distance": cfg.relative_max_distance, "layer_norm_epsilon": cfg.norm_eps,
         "feed_forward_proj": proj, "tie_word_embeddings": cfg.tie_embeddings,
@@ -106,9 +109,12 @@ def ignore(cfg: TransformerConfig) -> list[str]:
 FAMILY = Family(
     name="t5", model_types=("t5",),
     signature={"arch": ("encoder-decoder",), "position": ("relative",)},
-    fixed={**neutral("attention_scale", "output_scale"), "norm": ("rms",), "norm_position": ("pre",),
+    mapped=(*SHAPE, "n_encoder_layers", "n_decoder_layers", "gelu_approximate", "relative_buckets",
+            "relative_max_distance", "tie_embeddings", "output_scale"),
+    fixed={"norm": ("rms",), "norm_position": ("pre",),
            "ffn": ("relu", "gelu", "geglu", "swiglu"), "bias": (False,), "scale_embeddings": (False,),
            "attention_scale": (1.0,)},
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=rules,
     aliases={"shared.weight": ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")}, ignore=ignore,
+    check=check,
 )

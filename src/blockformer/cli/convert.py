@@ -8,8 +8,10 @@ held (a run directory, a checkpoint, anything), but never the source or a direct
 holds it or lies inside it.
 
 Import writes an ordinary blockformer checkpoint (``generate``, ``translate``, ``eval``
-read it); export writes ``config.json`` + ``model.safetensors`` (+ the tokenizer) that
-``transformers.AutoModelFor...from_pretrained`` loads. Families: GPT-2, Llama/Mistral,
+read it); export writes ``config.json`` + ``model.safetensors`` (sharded past
+``--max-shard-size``) + a ``README.md`` model card (+ the tokenizer) that
+``transformers.AutoModelFor...from_pretrained`` loads. ``--from-hf`` also takes a name
+(``gpt2``, ``org/name``) of a model in the local Hugging Face cache. Families: GPT-2, Llama/Mistral,
 BERT, T5, BART, Marian (see the README's table).
 """
 
@@ -23,13 +25,16 @@ from ..errors import UsageError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "e.g. blockformer convert --from-hf ./all-MiniLM-L6-v2 --out runs/minilm"
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--from-hf", metavar="DIR", help="a Hugging Face model directory (config.json + weights)")
+    group.add_argument("--from-hf", metavar="DIR|NAME", help="a Hugging Face model directory (config.json + weights), "
+                       "or a model in the local Hugging Face cache (gpt2, org/name, org/name@revision; never downloaded)")
     group.add_argument("--to-hf", metavar="CKPT", help="a blockformer checkpoint or run directory")
     parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write (new or empty)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace what --out holds (never the source, nor a directory around or inside it)")
     parser.add_argument("--tokenizer", metavar="FILE",
                         help="--from-hf: a tokenizer.json to use when DIR has none (Marian ships only sentencepiece)")
+    parser.add_argument("--max-shard-size", metavar="SIZE",
+                        help="--to-hf: shard the weights past SIZE (500MB, 2GB, or bytes; default 5GB), as transformers does")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,19 +42,26 @@ def run(args: argparse.Namespace) -> int:
 
     from ..interop import from_hf, to_hf  # noqa: PLC0415
     from ..interop.convert import check_target  # noqa: PLC0415
+    from ..interop.hf_dir import DEFAULT_MAX_SHARD_SIZE, parse_size  # noqa: PLC0415
+    from ..interop.hub import resolve_source  # noqa: PLC0415
 
+    if args.max_shard_size is not None and args.to_hf is None:
+        raise UsageError("--max-shard-size: only with --to-hf; --from-hf writes a blockformer checkpoint")
+    max_bytes = parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, "--max-shard-size")
+    # A name in the local Hugging Face cache is its snapshot directory from here on.
+    source = Path(args.to_hf) if args.to_hf is not None else resolve_source(args.from_hf)
     # Checked before converting: --out is replaced whole, so it must hold nothing the user keeps.
-    check_target(Path(args.out), Path(args.to_hf or args.from_hf), overwrite=args.overwrite, flag="--out")
+    check_target(Path(args.out), source, overwrite=args.overwrite, flag="--out")
     if args.to_hf is not None:
         if args.tokenizer:
             raise UsageError("--tokenizer: only with --from-hf; --to-hf writes the checkpoint's own tokenizer")
-        out = to_hf(args.to_hf, args.out, overwrite=args.overwrite)
+        out = to_hf(args.to_hf, args.out, overwrite=args.overwrite, max_shard_size=max_bytes)
         print(f"wrote a Hugging Face model -> {out}")
         return 0
     from ..run_config import DataConfig, RunConfig  # noqa: PLC0415
     from ..train.checkpoint import save_checkpoint  # noqa: PLC0415
 
-    imported = from_hf(args.from_hf, tokenizer=args.tokenizer)
+    imported = from_hf(source, tokenizer=args.tokenizer)
     if imported.tokenizer is None:
         raise UsageError(
             f"{args.from_hf}: no tokenizer.json; a blockformer checkpoint needs one: pass --tokenizer FILE "
@@ -60,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     out = save_checkpoint(args.out, imported.model, imported.tokenizer, RunConfig(model=imported.config, data=data))
     from ..serve.engine import chat_template_of  # noqa: PLC0415
 
-    template = chat_template_of(Path(args.from_hf))
+    template = chat_template_of(source)
     if template is not None:  # `blockformer serve` answers /v1/chat/completions with it
         (Path(out) / "chat_template.jinja").write_text(template, encoding="utf-8")
     n = sum(p.numel() for p in imported.model.parameters())

@@ -25,7 +25,8 @@ from ..models import build_model
 from ..tokenizers.base import FILE_NAME, Tokenizer
 from ..tokenizers.bpe import BPETokenizer
 from .families import Family, family_for_config, family_for_model_type
-from .hf_dir import CONFIG, HFWeights, read_hf_config, write_hf_dir
+from .hf_dir import CONFIG, DEFAULT_MAX_SHARD_SIZE, HFWeights, parse_size, read_hf_config, write_hf_dir
+from .hub import model_card, resolve_source
 from .rules import Rule
 from .vocab import VocabMap, hf_special_ids, import_tokenizer
 from ..models.checks import kind_of
@@ -72,7 +73,9 @@ class _StateDict:
 
 
 def from_hf(source: str | Path | nn.Module, *, tokenizer: str | Path | None = None) -> Imported:
-    """A Hugging Face model directory (or model object) as a blockformer model.
+    """A Hugging Face model directory, a model in the local Hugging Face cache by name
+    (``"gpt2"``, ``"org/name@revision"``; never downloaded), or a model object, as a
+    blockformer model.
 
     ``tokenizer``: a ``tokenizer.json`` (or a directory with one) to use when the source has
     none (Marian ships only sentencepiece files)."""
@@ -81,6 +84,8 @@ def from_hf(source: str | Path | nn.Module, *, tokenizer: str | Path | None = No
         raise TypeError(f"source: {kind_of(source)}; expected a Hugging Face model directory or transformers model")
     if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
         raise TypeError(f"tokenizer: {kind_of(tokenizer)}; expected a path to a tokenizer.json, or None")
+    if isinstance(source, str):  # a local directory wins; else a name in the local Hugging Face cache
+        source = resolve_source(source)
     if isinstance(source, nn.Module):
         hf_cfg = source.config.to_dict()
         where = f"<{type(source).__name__}>"
@@ -181,12 +186,15 @@ def _their_shapes(rule: Rule, shape: torch.Size, vmap: VocabMap, cfg: Transforme
 
 # ---------------------------------------------------------------------- export
 def to_hf(
-    source: str | Path | nn.Module, out: str | Path, *, tokenizer: Tokenizer | None = None, overwrite: bool = False
+    source: str | Path | nn.Module, out: str | Path, *, tokenizer: Tokenizer | None = None, overwrite: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Write a blockformer checkpoint (or model, with its tokenizer) as a Hugging Face
     directory: ``config.json``, ``model.safetensors`` and, for a ``tokenizers`` tokenizer,
-    ``tokenizer.json`` with a ``tokenizer_config.json``. ``out`` must be new or empty (or,
-    with ``overwrite``, is replaced whole), and never the source or a directory around it."""
+    ``tokenizer.json`` with a ``tokenizer_config.json``, and a ``README.md`` model card.
+    Weights past ``max_shard_size`` (``"500MB"``, ``"2GB"``, bytes) are sharded with an index.
+    ``out`` must be new or empty (or, with ``overwrite``, is replaced whole), and never the
+    source or a directory around it."""
 
     if not isinstance(source, (str, Path)) and not isinstance(getattr(source, "cfg", None), TransformerConfig):
         raise TypeError(f"source: {kind_of(source)}; expected a blockformer checkpoint directory or model")
@@ -194,6 +202,7 @@ def to_hf(
         raise TypeError(f"out: {kind_of(out)}; expected a directory path")
     if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer: {kind_of(tokenizer)}; expected a Tokenizer or None")
+    max_bytes = parse_size(max_shard_size, "max_shard_size")
     check_target(Path(out), None if isinstance(source, nn.Module) else Path(source), overwrite=overwrite)
     if isinstance(source, nn.Module):
         model = source
@@ -221,7 +230,11 @@ def to_hf(
                    **{f"{r}_token": n for r, n in names.items()}}
         files = {FILE_NAME: tokenizer.hf.to_str(pretty=True), "tokenizer_config.json": json.dumps(tok_cfg, indent=2) + "\n"}
     out = Path(out)
-    write_hf_dir(out, family.config_to_hf(cfg, ids), tensors, files)
+    hf_config = family.config_to_hf(cfg, ids)
+    where = f"`{source}`" if isinstance(source, (str, Path)) else f"a {type(model).__name__} object (in memory)"
+    files["README.md"] = model_card(hf_config, cfg.to_dict(), source=where, family=family.name, out=str(out),
+                                    n_params=sum(p.numel() for p in model.parameters()), tokenizer=FILE_NAME in files)
+    write_hf_dir(out, hf_config, tensors, files, max_shard_size=max_bytes)
     return out
 
 

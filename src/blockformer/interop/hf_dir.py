@@ -3,6 +3,9 @@
 Weights come from ``model.safetensors`` (or its sharded index) or, failing that, from
 ``pytorch_model.bin`` (or its index), loaded with ``weights_only=True``: a pickle is never
 executed. Every error names the file and, where there is one, the tensor.
+
+``write_hf_dir`` writes one ``model.safetensors``, or, past ``max_shard_size``, shards named
+as transformers names them (``model-00001-of-00003.safetensors``) with their index.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import warnings
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -165,14 +169,55 @@ def _first_line(e: BaseException) -> str:
     return lines[0][:200] if lines else type(e).__name__
 
 
+# huggingface_hub's default shard size, and transformers 4's (transformers 5 writes up to 50GB).
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+_UNITS = {"": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: int | str, flag: str = "max_shard_size") -> int:
+    """Bytes from ``"500MB"``, ``"2GB"``, ``"1GiB"`` (decimal and binary units, as transformers
+    reads them) or an int of bytes; anything else is an error naming ``flag``."""
+    number = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b)?\s*", value, re.IGNORECASE)
+        if m is not None and (m[2] or "." not in m[1]):
+            number = int(float(m[1]) * _UNITS[(m[2] or "").lower()])
+    if number is None or number <= 0:
+        raise UsageError(f"{flag} {value!r}: expected a positive size such as 500MB, 2GB, 1GiB or a number of bytes")
+    return number
+
+
+def shard_names(tensors: dict[str, torch.Tensor], max_bytes: int) -> dict[str, str]:
+    """Tensor name -> file: ``model.safetensors`` when everything fits in ``max_bytes``, else
+    shards filled in order, each up to ``max_bytes`` (a tensor bigger than that gets a shard of
+    its own), named ``model-0000i-of-0000n.safetensors``."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if len(groups) == 1:
+        return dict.fromkeys(groups[0], SAFETENSORS)
+    n = len(groups)
+    return {name: f"model-{i:05d}-of-{n:05d}.safetensors" for i, group in enumerate(groups, 1) for name in group}
+
+
 def write_hf_dir(directory: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                 files: dict[str, str] | None = None) -> None:
-    """Write ``config.json``, ``model.safetensors`` (the tensors as they are, contiguous) and
+                 files: dict[str, str] | None = None, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+    """Write ``config.json``, the tensors as they are (contiguous) in ``model.safetensors`` or,
+    when they pass ``max_shard_size``, in shards with ``model.safetensors.index.json``, and
     ``files`` (name -> text) as ``directory``, replacing whatever was there: they are written
     beside it under a temporary name and renamed into place, so a failure leaves it as it was."""
     import safetensors.torch
 
-
+    max_bytes = parse_size(max_shard_size)
     tmp = directory.parent / f".{directory.name}{TMP_TAG}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -180,7 +225,15 @@ def write_hf_dir(directory: Path, config: dict[str, Any], tensors: dict[str, tor
         tmp.mkdir()
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         owned = {k: v.detach().contiguous().clone() for k, v in tensors.items()}  # no shared storage
-        safetensors.torch.save_file(owned, str(tmp / SAFETENSORS), metadata={"format": "pt"})
+        weight_map = shard_names(owned, max_bytes)
+        for file in dict.fromkeys(weight_map.values()):
+            shard = {k: v for k, v in owned.items() if weight_map[k] == file}
+            safetensors.torch.save_file(shard, str(tmp / file), metadata={"format": "pt"})
+        if len(set(weight_map.values())) > 1:  # the index transformers and HFWeights read
+            total = sum(t.numel() * t.element_size() for t in owned.values())
+            index = {"metadata": {"total_parameters": sum(t.numel() for t in owned.values()), "total_size": total},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         for name, text in (files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
         if directory.is_symlink() or directory.exists():

@@ -25,6 +25,7 @@ from blockformer.cli import main  # noqa: E402
 from blockformer.errors import UsageError  # noqa: E402
 from blockformer.interop import from_hf, to_hf  # noqa: E402
 from blockformer.interop.hf_dir import SAFETENSORS, SAFETENSORS_INDEX, parse_size  # noqa: E402
+from blockformer.interop.hub import model_card  # noqa: E402
 
 ATOL = 1e-5
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
@@ -222,3 +223,18 @@ def test_every_export_carries_a_model_card_the_hub_reads(hf_dirs, tmp_path):
     assert "family | gpt2" in text and "AutoModelForCausalLM.from_pretrained" in text
     config = json.loads(text.split("```json\n")[1].split("```")[0])
     assert config == imported.config.to_dict()
+
+
+@pytest.mark.parametrize("arch, auto, pipeline", [
+    ("BertForMaskedLM", "AutoModelForMaskedLM", "fill-mask"),
+    ("MarianMTModel", "AutoModelForSeq2SeqLM", "translation"),
+    ("BertForSequenceClassification", "AutoModelForSequenceClassification", "text-classification"),
+    ("BertForTokenClassification", "AutoModelForTokenClassification", "token-classification"),
+])
+def test_the_card_loads_each_architecture_with_its_auto_class(arch, auto, pipeline):
+    text = model_card({"architectures": [arch], "model_type": "bert"}, {"arch": "encoder"}, source="`ck`",
+                      family="bert", n_params=1234, out="exported/x", tokenizer=False)
+    card = huggingface_hub.ModelCard(text)
+    assert card.data.pipeline_tag == pipeline and card.data.tags == ["blockformer", "bert"]
+    assert f'model = {auto}.from_pretrained("exported/x")' in card.text and "AutoTokenizer" not in card.text
+    assert "1,234 (1.23K)" in card.text

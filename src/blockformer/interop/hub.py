@@ -82,6 +82,11 @@ _AUTO = {
     "BartForConditionalGeneration": ("AutoModelForSeq2SeqLM", "text2text-generation"),
     "MarianMTModel": ("AutoModelForSeq2SeqLM", "translation"),
 }
+# A task head's class, <Family>For<Task> (interop/heads.py): the Auto class of the same task.
+_AUTO_TASKS = {
+    "ForSequenceClassification": ("AutoModelForSequenceClassification", "text-classification"),
+    "ForTokenClassification": ("AutoModelForTokenClassification", "token-classification"),
+}
 
 
 def model_card(hf_config: dict[str, Any], blockformer_config: dict[str, Any], *, source: str, family: str,
@@ -93,7 +98,8 @@ def model_card(hf_config: dict[str, Any], blockformer_config: dict[str, Any], *,
 
     arch = (hf_config.get("architectures") or ["AutoModel"])[0]
     model_type = hf_config.get("model_type", family)
-    auto, pipeline = _AUTO.get(arch, (arch, None))
+    task = next((v for k, v in _AUTO_TASKS.items() if arch.endswith(k)), (arch, None))
+    auto, pipeline = _AUTO.get(arch, task)
     tags = ["blockformer", *dict.fromkeys([family, model_type])]
     front = ["---", "library_name: transformers", "tags:", *(f"- {t}" for t in tags)]
     front += [f"pipeline_tag: {pipeline}"] if pipeline else []

@@ -50,7 +50,7 @@ def resolve_source(source: str | Path) -> Path:
     cache = hub_cache()
     looked = cache / f"models--{repo.replace('/', '--')}"
     expected = (f"expected a local Hugging Face model directory, or a model in that cache (download it first, "
-                f"e.g. `hf download {repo}`; HF_HUB_CACHE or HF_HOME point elsewhere)")
+                f"e.g. `hf download {repo}`, or set HF_HUB_CACHE or HF_HOME to the cache that holds it)")
     try:
         from huggingface_hub import snapshot_download  # noqa: PLC0415
         from huggingface_hub.errors import LocalEntryNotFoundError  # noqa: PLC0415

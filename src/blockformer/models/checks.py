@@ -22,6 +22,7 @@ from ..config import ADDITIVE_POSITIONS, TransformerConfig
 from ..errors import UsageError
 from ..nn.kv_cache import KVCache
 from ..schema import kind_of
+from .embedding import reads_token_types
 
 # Depth of the trusted_inputs() blocks entered in this context: each thread and each asyncio
 # task counts its own, so one thread's generation never switches off another's checks.
@@ -95,6 +96,30 @@ def check_positions(
         if low < 0 or (table is not None and high >= table):
             raise ValueError(f"positions: {low if low < 0 else high} is outside [0, {table or 'inf'}); expected "
                              f"positions inside the {cfg.position} table (max_seq_len={table})")
+
+
+def check_token_types(cfg: TransformerConfig, tokens: torch.Tensor, token_types: object) -> None:
+    """Segment ids (BERT's ``token_type_ids``), if given, must be integer (batch, length)
+    ids below ``n_token_types``, for a text encoder that has a segment table."""
+    if token_types is None:
+        return
+    if not reads_token_types(cfg):
+        why = "no segment table: n_token_types=0" if not cfg.n_token_types else f"a {cfg.arch} reading {cfg.input}"
+        raise ValueError(f"token_types: this model takes no segment ids ({why}); expected None, or a text "
+                         f"encoder built with n_token_types > 0 (BERT: 2)")
+    if not isinstance(token_types, torch.Tensor) or token_types.dtype == torch.bool or \
+            token_types.is_floating_point() or token_types.is_complex():
+        what = token_types.dtype if isinstance(token_types, torch.Tensor) else type(token_types).__name__
+        raise TypeError(f"token_types: {what}; expected an integer tensor of segment ids (batch, length): "
+                        f"0 for the first text, 1 for the second")
+    if tuple(token_types.shape) != tuple(tokens.shape):
+        raise ValueError(f"token_types: shape {tuple(token_types.shape)}; expected {tuple(tokens.shape)} like "
+                         f"tokens, one segment id per token")
+    if token_types.numel() and _check_values():
+        low, high = (int(v) for v in torch.aminmax(token_types))
+        if low < 0 or high >= cfg.n_token_types:
+            raise ValueError(f"token_types: id {low if low < 0 else high} is outside [0, {cfg.n_token_types}); "
+                             f"expected segment ids below the model's n_token_types={cfg.n_token_types}")
 
 
 # ---------------------------------------------------------------------- arguments

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..nn.dropout import Dropout
+from .checks import check_token_types
 
 POOLINGS = ("cls", "mean", "last")
 
@@ -80,9 +81,15 @@ class TaskModel(nn.Module):
         self.body, self.head = body, head
         self.cfg = body.cfg
 
-    def forward(self, tokens: torch.Tensor, *, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T) -> the head's output: (B, n) per sequence, or (B, T, n) per token."""
-        hidden = self.body.hidden_states(tokens, attention_mask=attention_mask)
+    def forward(self, tokens: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> the head's output: (B, n) per sequence, or (B, T, n) per token.
+        ``token_types`` (B, T): segment ids of a text pair, for an encoder body with a segment
+        table (``EncoderModel.hidden_states``); None: all 0."""
+        segments = {} if token_types is None else {"token_types": token_types}
+        if segments and self.cfg.arch != "encoder":  # only an encoder's hidden_states takes them
+            check_token_types(self.cfg, tokens, token_types)  # raises, naming token_types
+        hidden = self.body.hidden_states(tokens, attention_mask=attention_mask, **segments)
         hidden_mask = getattr(self.body, "hidden_mask", None)  # an input adapter's class token shifts the mask
         return self.head(hidden, attention_mask if hidden_mask is None else hidden_mask(attention_mask))
 

@@ -54,7 +54,7 @@ def test_a_task_head_trains_with_the_runs_label_smoothing():
     from blockformer.train.classify import TaskHead
 
     class Batch:  # what TaskHead.loss reads
-        tokens, mask, targets = torch.zeros(2, 1), None, torch.tensor([0, 2])
+        tokens, mask, targets, token_types = torch.zeros(2, 1), None, torch.tensor([0, 2]), None
 
     class Data:
         task = "classify"

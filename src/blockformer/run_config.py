@@ -70,6 +70,7 @@ class DataConfig:
     # --- labelled data for a task head (see [head])
     labels: str = ""  # text<TAB>label lines, or JSONL with "text" and "label"
     val_labels: str = ""  # its held-out file; by default val_fraction of `labels` is held out
+    text_pair: str = ""  # text pairs: the JSONL key of each example's second text; TSV: text<TAB>pair<TAB>label
     # --- arrays for other inputs (model.input patches/frames): data sets a Python package ships
     dataset: str = ""  # digits | digit-strings (scikit-learn) | japanese-vowels (sktime); see data/arrays.py
     shift: int = 0  # images: training images moved by up to this many pixels each way
@@ -97,6 +98,13 @@ class DataConfig:
             raise UsageError("data.task_min_len: expected <= data.task_max_len")
         if bool(self.src) != bool(self.tgt):
             raise UsageError("data.src/data.tgt: expected both files of the aligned pair, or neither")
+        if self.text_pair and (self.text_pair.strip() != self.text_pair or self.text_pair in ("text", "label")):
+            raise UsageError(f"data.text_pair={self.text_pair!r}: the JSONL key of each example's second text; "
+                             f"expected a key other than 'text' and 'label', without spaces around it "
+                             f"(e.g. 'text_pair')")
+        if self.text_pair and not self.labels:
+            raise UsageError(f"data.text_pair={self.text_pair!r}: a second text per labelled example; expected "
+                             f"data.labels (a labelled file of text pairs)")
 
     @property
     def augmentation(self) -> str:

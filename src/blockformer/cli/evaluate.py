@@ -137,15 +137,15 @@ def lm_metrics(ckpt: Any, spec: str | None, train_cfg: Any, device: Any) -> dict
 def head_metrics(ckpt: Any, train_cfg: Any, device: Any, spec: str | None) -> dict[str, Any]:
     """Loss, accuracy, macro F1 and the confusion matrix on every example of the labelled
     file ``spec`` (read only when named here, never on the checkpoint's word)."""
-    from ..data.labelled import LabelledData, read_labelled  # noqa: PLC0415
+    from ..data.describe import labelled_data  # noqa: PLC0415
+    from ..data.labelled import read_labelled  # noqa: PLC0415
     from ..train.classify import TaskHead  # noqa: PLC0415
 
     cfg = ckpt.config
     if not spec:
         raise UsageError(f"--data: missing; expected the labelled file to score (this checkpoint was trained "
                          f"on data.labels={cfg.data.labels!r}, held out {cfg.data.val_labels or 'a share of it'!r})")
-    max_len = min(cfg.data.seq_len, cfg.model.max_seq_len)
-    data = LabelledData(read_labelled(spec), ckpt.tokenizer, cfg.head.task, cfg.head.labels, max_len, spec)
+    data = labelled_data(cfg, read_labelled(spec, cfg.data.text_pair), ckpt.tokenizer, spec)
     objective = TaskHead(data, data, train_cfg.batch_size, 0, device)
     return objective.evaluate_full(ckpt.model, train_cfg.batch_size)
 

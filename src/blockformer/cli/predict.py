@@ -1,7 +1,10 @@
 """``blockformer predict --checkpoint DIR --input FILE``: labels and probabilities for texts.
 
 The input is one text per line, a TSV file (``.tsv``: the text before the last tab, so a
-labelled file can be predicted as it is) or JSONL (the ``"text"`` field). The output is
+labelled file can be predicted as it is) or JSONL (the ``"text"`` field). A checkpoint
+trained on text pairs (``data.text_pair``) reads pairs: ``text<TAB>pair`` lines (a
+``.tsv`` label column is dropped) or JSONL with ``"text"`` and that key, encoded and given
+segment ids as in training; each record then carries both texts. The output is
 one JSON object per input, in order: ``{"text", "label", "probs": {label: p}}`` for
 classification; ``"labels"`` (those above 0.5) for multilabel; ``"value"`` for regression;
 for token classification, ``"words"`` with one label and probability each. ``--format tsv``
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if ckpt.config.head.task == "none":
         raise UsageError(f"--checkpoint {args.checkpoint}: has no task head; expected a checkpoint trained on "
                          "data.labels with [head] task set")
-    texts = read_texts(args.input[0])
+    texts = read_texts(args.input[0], ckpt.config.data.text_pair)
     records = predict(ckpt, texts, args.batch_size, device)
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     try:
@@ -75,11 +78,13 @@ def _tsv(record: dict[str, Any]) -> str:
     return f"{record['label']}\t{record['probs'][record['label']]:.6f}"
 
 
-def predict(ckpt: Any, texts: list[str], batch_size: int = 64, device: Any = "cpu") -> list[dict[str, Any]]:
-    """One record per text (see the module docstring), from a loaded task-head checkpoint."""
+def predict(ckpt: Any, texts: list[Any], batch_size: int = 64, device: Any = "cpu") -> list[dict[str, Any]]:
+    """One record per text, or per text pair (see the module docstring), from a loaded
+    task-head checkpoint."""
     import torch  # noqa: PLC0415
 
-    from ..data.labelled import IGNORE, encode_text, encode_words, pad  # noqa: PLC0415
+    from ..data.labelled import IGNORE, encode_example, encode_words, pad  # noqa: PLC0415
+    from ..models.embedding import reads_token_types  # noqa: PLC0415
     from ..train.classify import probabilities  # noqa: PLC0415
 
     cfg = ckpt.config
@@ -88,17 +93,22 @@ def predict(ckpt: Any, texts: list[str], batch_size: int = 64, device: Any = "cp
     records = []
     for i in range(0, len(texts), batch_size):
         chunk = texts[i : i + batch_size]
+        segments: dict[str, torch.Tensor] = {}
         if task == "tokens":  # any known label stands in: only the word boundaries matter here
             encoded = [encode_words(t, [names[0]] * len(t.split()), ckpt.tokenizer, {names[0]: 0}, max_len, "--input")
                        for t in chunk]
             ids = [e[0] for e in encoded]
         else:
-            ids = [encode_text(t, ckpt.tokenizer, max_len) for t in chunk]
+            ids, types = zip(*(encode_example(t, ckpt.tokenizer, max_len) for t in chunk))
+            if cfg.data.text_pair and reads_token_types(cfg.model):  # segment ids as in training
+                segments = {"token_types": pad(types)[0].to(device)}
         tokens, mask = pad(ids)
         with torch.no_grad():
-            probs = probabilities(task, ckpt.model(tokens.to(device), attention_mask=mask.to(device))).cpu()
+            out = ckpt.model(tokens.to(device), attention_mask=mask.to(device), **segments)
+            probs = probabilities(task, out).cpu()
         for j, text in enumerate(chunk):
-            record: dict[str, Any] = {"text": text}
+            pair = isinstance(text, tuple)
+            record: dict[str, Any] = {"text": text[0], cfg.data.text_pair: text[1]} if pair else {"text": text}
             p = probs[j]
             if task == "regress":
                 record["value"] = float(p)

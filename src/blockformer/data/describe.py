@@ -39,7 +39,9 @@ from ..tokenizers import TOKENIZERS, Tokenizer, load_tokenizer, train_tokenizer
 from .arrays import DATASETS, DigitStrings, array_data, check_dataset, dataset_labels, dataset_tokenizer
 from .batcher import TokenBatcher
 from .buckets import length_buckets
-from .labelled import LabelledData, class_weights, label_counts, label_names, read_labelled, split_examples
+from ..models.embedding import reads_token_types
+from .labelled import (Example, LabelledData, class_weights, label_counts, label_names, read_labelled,
+                       split_examples, texts_of)
 from .lm import LMDataset
 from .seq2seq import encode_pairs, read_pairs
 from .sources import iter_texts
@@ -131,6 +133,9 @@ def check_arch(cfg: RunConfig) -> None:
     if (kind == "labelled") != (cfg.head.task != "none"):
         raise UsageError("head.task: labelled data (data.labels) trains a task head and a task head needs "
                          f"labelled data; got head.task={cfg.head.task!r} with data.labels={cfg.data.labels!r}")
+    if cfg.data.text_pair and cfg.head.task == "tokens":
+        raise UsageError(f"data.text_pair={cfg.data.text_pair!r}: head.task='tokens' labels the words of one text; "
+                         f"expected head.task classify, multilabel or regress for text pairs, or no data.text_pair")
     if kind == "labelled" or (kind == "text" and objective_for(cfg) == "mlm"):
         return  # any architecture carries a head; an encoder learns text by MLM
     if arch != ARCH_FOR[kind]:
@@ -176,10 +181,18 @@ def make_task_for(data: DataConfig) -> Task:
 
 def labelled_splits(data: DataConfig) -> tuple[list, list]:
     """Training and held-out examples: ``data.val_labels`` if given, else a fixed share."""
-    examples = read_labelled(data.labels)
+    examples = read_labelled(data.labels, data.text_pair)
     if data.val_labels:
-        return examples, read_labelled(data.val_labels)
+        return examples, read_labelled(data.val_labels, data.text_pair)
     return split_examples(examples, data.val_fraction or 0.1, "data.labels")
+
+
+def labelled_data(cfg: RunConfig, examples: list[Example], tokenizer: Tokenizer, where: str) -> LabelledData:
+    """``examples`` encoded for ``cfg``'s model: cut to ``data.seq_len``, and text pairs'
+    segment ids kept when the model reads them (an encoder with a segment table)."""
+    max_len = min(cfg.data.seq_len, cfg.model.max_seq_len)
+    return LabelledData(examples, tokenizer, cfg.head.task, cfg.head.labels, max_len, where,
+                        token_types=reads_token_types(cfg.model))
 
 
 def split_pairs(pairs: list[tuple[str, str]], data: DataConfig) -> tuple[list, list]:
@@ -225,7 +238,8 @@ def _task_tokenizer(cfg: RunConfig) -> Tokenizer:
 
 def _labelled_tokenizer(cfg: RunConfig) -> Tokenizer:
     data = cfg.data
-    return make_tokenizer(data, lambda: (text for text, _ in read_labelled(data.labels)))
+    return make_tokenizer(data, lambda: (t for text, _ in read_labelled(data.labels, data.text_pair)
+                                         for t in texts_of(text)))
 
 
 # ---------------------------------------------------------------------- batch sources
@@ -268,15 +282,19 @@ def _labelled_batches(cfg: RunConfig, tokenizer: Tokenizer, log: Log, compiled: 
     """Encoded labelled examples (cut to ``data.seq_len``) and the head's loss weights."""
     data, head = cfg.data, cfg.head
     train_ex, val_ex = labelled_splits(data)
-    max_len = min(data.seq_len, cfg.model.max_seq_len)
-    train = LabelledData(train_ex, tokenizer, head.task, head.labels, max_len, data.labels)
-    val = LabelledData(val_ex, tokenizer, head.task, head.labels, max_len, data.val_labels or data.labels)
+    train = labelled_data(cfg, train_ex, tokenizer, data.labels)
+    val = labelled_data(cfg, val_ex, tokenizer, data.val_labels or data.labels)
     weights = None
     if head.class_weights and head.task != "regress":
         counts = label_counts(train_ex, head.task, head.labels)
         weights = class_weights(head.class_weights, counts, head.labels)
     log(f"data: {len(train):,} labelled training examples, {len(val):,} held out, "
         f"{len(head.labels) or 'regression'} labels")
+    if data.text_pair:
+        log(f"data: text pairs (data.text_pair={data.text_pair!r}) as <s> a </s> b </s>, "
+            + ("segment ids 0 then 1" if reads_token_types(cfg.model) else "no segment ids ("
+               + ("model.n_token_types=0" if cfg.model.arch == "encoder" else "only an encoder reads them")
+               + "): </s> alone marks where the second text starts"))
     return Batches(train, val, class_weights=weights)
 
 

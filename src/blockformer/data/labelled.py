@@ -13,6 +13,13 @@ line that starts with ``{``). What a label is depends on the head's task:
 Every sequence is encoded as ``<s> text </s>`` (truncated to ``max_len``), so position 0
 is a dedicated summary token for ``cls`` pooling and the last real position (``</s>``)
 has read the whole text, even in a causal decoder.
+
+Text pairs (``data.text_pair``: natural-language inference, cross-encoders, question +
+passage) take their second text from that JSONL key, or from a middle TSV column
+(``text<TAB>pair<TAB>label``), and are encoded as BERT encodes them: ``<s> a </s> b </s>``
+with segment ids 0 for ``<s> a </s>`` and 1 for ``b </s>`` (padding 0), the longer text
+cut first when the pair does not fit. The segment ids are kept for a model that reads them
+(``token_types=True``: an encoder with a segment table).
 """
 
 from __future__ import annotations
@@ -32,62 +39,86 @@ from ..tokenizers import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from .seq2seq import _read_lines
 
 IGNORE = -100  # token targets the loss skips (padding, specials, a word's later tokens)
-Example = tuple[str, Any]  # (text, raw label)
+Text = str | tuple[str, str]  # one text, or a pair (data.text_pair)
+Example = tuple[Text, Any]  # (text, raw label)
 
 
 def is_jsonl(path: Path, first_line: str) -> bool:
     return path.suffix in (".jsonl", ".json") or first_line.lstrip().startswith("{")
 
 
-def read_labelled(path: str | Path) -> list[Example]:
-    """``(text, label)`` of every non-empty line of a labelled file (see the module docstring)."""
+def read_labelled(path: str | Path, text_pair: str = "") -> list[Example]:
+    """``(text, label)`` of every non-empty line of a labelled file (see the module docstring);
+    with ``text_pair`` (``data.text_pair``), ``text`` is the pair ``(text, second text)``."""
     path = Path(path)
-    lines = _read_lines(path, "text<TAB>label lines or JSONL with text and label")
+    columns = "text<TAB>pair<TAB>label" if text_pair else "text<TAB>label"
+    keys = f"\"text\", \"{text_pair}\" and \"label\"" if text_pair else "\"text\" and \"label\""
+    lines = _read_lines(path, f"{columns} lines or JSONL with {keys}")
     lines_nonempty = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
     if not lines_nonempty:
-        raise UsageError(f"{path}: empty file; expected text<TAB>label lines or JSONL")
+        raise UsageError(f"{path}: empty file; expected {columns} lines or JSONL")
     jsonl = is_jsonl(path, lines_nonempty[0][1])
     examples = []
     for i, line in lines_nonempty:
         if jsonl:
-            try:
-                record = loads_json(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or "text" not in record or "label" not in record:
-                raise UsageError(f"{path}:{i}: expected a JSON object with \"text\" and \"label\"")
-            if not isinstance(record["text"], str):
-                raise UsageError(f"{path}:{i}: \"text\" must be a string")
-            examples.append((record["text"], record["label"]))
+            record = _json_record(path, i, line)
+            if not isinstance(record, dict) or "label" not in record:
+                raise UsageError(f"{path}:{i}: expected a JSON object with {keys}")
+            examples.append((_json_text(record, text_pair, f"{path}:{i}"), record["label"]))
         else:
-            if "\t" not in line:
-                raise UsageError(f"{path}:{i}: no tab; expected text<TAB>label")
-            text, label = line.rsplit("\t", 1)
-            examples.append((text, label))
+            if line.count("\t") < 1 + bool(text_pair):
+                found = "one tab" if "\t" in line else "no tab"
+                raise UsageError(f"{path}:{i}: {found}; expected {columns}"
+                                 + (f" (data.text_pair={text_pair!r}: text pairs)" if text_pair else ""))
+            *texts, label = line.rsplit("\t", 1 + bool(text_pair))
+            examples.append((tuple(texts) if text_pair else texts[0], label))
     return examples
 
 
-def read_texts(path: str | Path) -> list[str]:
+def read_texts(path: str | Path, text_pair: str = "") -> list[Text]:
     """Texts to predict: JSONL ``"text"`` fields, the text before the last tab of a TSV line,
-    or whole lines of any other file."""
+    or whole lines of any other file. With ``text_pair``, pairs: the JSONL ``"text"`` and
+    ``text_pair`` fields, or ``text<TAB>pair`` lines (a ``.tsv`` line's label after a
+    further tab is dropped, so a labelled file can be predicted as it is)."""
     path = Path(path)
     lines = [line for line in _read_lines(path, "one text per line, TSV or JSONL") if line.strip()]
     if not lines:
         raise UsageError(f"{path}: empty file; expected one text per line, TSV or JSONL")
     if is_jsonl(path, lines[0]):
-        out = []
+        return [_json_text(_json_record(path, i, line), text_pair, f"{path}:{i}") for i, line in enumerate(lines, 1)]
+    if text_pair:
+        pairs = []
         for i, line in enumerate(lines, 1):
-            try:
-                record = loads_json(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise UsageError(f"{path}:{i}: expected a JSON object with a \"text\" string")
-            out.append(record["text"])
-        return out
+            if "\t" not in line:
+                raise UsageError(f"{path}:{i}: no tab; expected text<TAB>pair lines (the checkpoint classifies "
+                                 f"text pairs: data.text_pair={text_pair!r})")
+            cut = 2 if path.suffix == ".tsv" and line.count("\t") >= 2 else 1
+            pairs.append(tuple(line.rsplit("\t", cut)[:2]))
+        return pairs
     if path.suffix == ".tsv":
         return [line.rsplit("\t", 1)[0] for line in lines]
     return lines
+
+
+def _json_record(path: Path, i: int, line: str) -> Any:
+    try:
+        return loads_json(line)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+
+
+def _json_text(record: Any, text_pair: str, where: str) -> Text:
+    """A JSON record's ``"text"`` string, or with ``text_pair`` its pair of strings."""
+    for key in ("text", text_pair) if text_pair else ("text",):
+        if not isinstance(record, dict) or not isinstance(record.get(key), str):
+            what = " (data.text_pair: the second text)" if key == text_pair else ""
+            raise UsageError(f"{where}: expected a JSON object with a \"{key}\" string{what}")
+    return (record["text"], record[text_pair]) if text_pair else record["text"]
+
+
+def texts_of(text: Text) -> tuple[str, ...]:
+    """The one or two strings of an example's text (what a tokenizer trains on)."""
+    return text if isinstance(text, tuple) else (text,)
 
 
 # ---------------------------------------------------------------------- labels
@@ -144,7 +175,8 @@ def class_weights(spec: str, counts: list[int], names: list[str]) -> torch.Tenso
 @dataclass
 class LabelledBatch:
     """``tokens``/``mask`` (B, T), right-padded; ``targets``: class ids (B,), multi-hot
-    (B, n_labels), per-token class ids (B, T) with ``IGNORE``, or values (B,)."""
+    (B, n_labels), per-token class ids (B, T) with ``IGNORE``, or values (B,);
+    ``token_types`` (B, T): segment ids of text pairs, for a model that reads them (else None)."""
 
     tokens: torch.Tensor
     mask: torch.Tensor
@@ -153,6 +185,7 @@ class LabelledBatch:
     # need no device sync (None: not counted yet).
     n_tokens: int | None = None  # real (unpadded) positions
     n_labelled: int | None = None  # integer targets other than IGNORE
+    token_types: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "LabelledBatch":
         n_tokens, n_labelled = self.n_tokens, self.n_labelled
@@ -161,28 +194,39 @@ class LabelledBatch:
             if n_labelled is None and not self.targets.is_floating_point():
                 n_labelled = int((self.targets != IGNORE).sum())
         moved = (t.to(device, non_blocking=non_blocking) for t in (self.tokens, self.mask, self.targets))
-        return LabelledBatch(*moved, n_tokens=n_tokens, n_labelled=n_labelled)
+        types = None if self.token_types is None else self.token_types.to(device, non_blocking=non_blocking)
+        return LabelledBatch(*moved, n_tokens=n_tokens, n_labelled=n_labelled, token_types=types)
 
 
 class LabelledData:
-    """Encoded examples of one split, with their targets, ready to batch."""
+    """Encoded examples of one split, with their targets, ready to batch. ``token_types``:
+    text pairs' batches carry their segment ids (for a model with a segment table)."""
 
     def __init__(self, examples: Sequence[Example], tokenizer: Tokenizer, task: str, names: list[str],
-                 max_len: int, where: str = "data.labels") -> None:
-        if max_len < 3:
-            raise UsageError(f"data.seq_len={max_len}: expected >= 3 (<s>, a token, </s>)")
+                 max_len: int, where: str = "data.labels", *, token_types: bool = False) -> None:
+        pairs = any(isinstance(text, tuple) for text, _ in examples)
+        if max_len < 3 + 2 * pairs:
+            raise UsageError(f"data.seq_len={max_len}: expected >= " + (
+                "5 for text pairs (<s>, a token, </s>, a token, </s>)" if pairs else "3 (<s>, a token, </s>)"))
         self.task, self.names, self.n = task, names, len(examples)
         index = {n: i for i, n in enumerate(names)}
         self.ids: list[list[int]] = []
+        self.types: list[list[int]] | None = [] if pairs and token_types else None
         self.targets: list[Any] = []
         for j, (text, label) in enumerate(examples):
             here = f"{where}: example {j + 1}"
             if task == "tokens":
+                if isinstance(text, tuple):
+                    raise UsageError(f"{here}: a text pair; head.task='tokens' labels the words of one text "
+                                     f"(expected no data.text_pair)")
                 ids, tags = encode_words(text, _names(label, task, here), tokenizer, index, max_len, here)
                 self.ids.append(ids)
                 self.targets.append(tags)
                 continue
-            self.ids.append(encode_text(text, tokenizer, max_len))
+            ids, types = encode_example(text, tokenizer, max_len)
+            self.ids.append(ids)
+            if self.types is not None:
+                self.types.append(types)
             if task == "regress":
                 try:
                     self.targets.append(float(label))
@@ -201,6 +245,8 @@ class LabelledData:
     def batch(self, rows: Sequence[int]) -> LabelledBatch:
         ids = [self.ids[i] for i in rows]
         tokens, mask = pad(ids)
+        # Segment ids pad like ids, with 0 (PAD_ID): segment 0, as Hugging Face pads token_type_ids.
+        types = None if self.types is None else pad([self.types[i] for i in rows])[0]
         if self.task == "tokens":
             targets = torch.full(tokens.shape, IGNORE, dtype=torch.long)
             for r, i in enumerate(rows):
@@ -213,7 +259,7 @@ class LabelledData:
             targets = torch.tensor([self.targets[i] for i in rows], dtype=torch.float32)
         else:
             targets = torch.tensor([self.targets[i] for i in rows], dtype=torch.long)
-        return LabelledBatch(tokens, mask, targets)
+        return LabelledBatch(tokens, mask, targets, token_types=types)
 
     def batches(self, batch_size: int) -> list[LabelledBatch]:
         """Every example once, in order."""
@@ -223,6 +269,35 @@ class LabelledData:
 def encode_text(text: str, tokenizer: Tokenizer, max_len: int) -> list[int]:
     """``<s> text </s>``, the text cut to fit ``max_len`` ids."""
     return [BOS_ID, *tokenizer.encode(text)[: max_len - 2], EOS_ID]
+
+
+def encode_pair(a: str, b: str, tokenizer: Tokenizer, max_len: int) -> tuple[list[int], list[int]]:
+    """Ids of ``<s> a </s> b </s>`` and their segment ids (0 up to the first ``</s>``, then 1),
+    as BERT encodes a pair; the longer text is cut first to fit ``max_len`` ids."""
+    ta, tb = truncate_pair(tokenizer.encode(a), tokenizer.encode(b), max_len - 3)
+    return [BOS_ID, *ta, EOS_ID, *tb, EOS_ID], [0] * (len(ta) + 2) + [1] * (len(tb) + 1)
+
+
+def truncate_pair(a: list[int], b: list[int], budget: int) -> tuple[list[int], list[int]]:
+    """``a`` and ``b`` cut to ``budget`` ids in all, longest first (BERT's tokenizers'
+    default): the longer loses its last id until they are equal, then they take turns, ``b``
+    first, so neither loses more than it must."""
+    la, lb = len(a), len(b)
+    excess = la + lb - budget
+    if excess > 0:
+        cut = min(excess, abs(la - lb))  # from the longer alone
+        la, lb = (la - cut, lb) if la > lb else (la, lb - cut)
+        rest = excess - cut  # then from both in turn
+        la, lb = la - rest // 2, lb - (rest - rest // 2)
+    return a[:la], b[:lb]
+
+
+def encode_example(text: Text, tokenizer: Tokenizer, max_len: int) -> tuple[list[int], list[int]]:
+    """One text's ids (segment ids all 0) or a pair's ids and segment ids, fitted to ``max_len``."""
+    if isinstance(text, tuple):
+        return encode_pair(*text, tokenizer, max_len)
+    ids = encode_text(text, tokenizer, max_len)
+    return ids, [0] * len(ids)
 
 
 def encode_words(text: str, tags: list[str], tokenizer: Tokenizer, index: dict[str, int], max_len: int,

@@ -51,6 +51,14 @@ def head_loss(task: str, output: torch.Tensor, targets: torch.Tensor,
     raise ValueError(f"head.task={task!r}: expected classify, multilabel, tokens or regress")
 
 
+def head_output(model: nn.Module, batch: LabelledBatch) -> torch.Tensor:
+    """The task model's output for ``batch``, with its segment ids when it carries them (text
+    pairs, encoded for a model with a segment table: ``data.describe.labelled_data``)."""
+    if batch.token_types is None:
+        return model(batch.tokens, attention_mask=batch.mask)
+    return model(batch.tokens, attention_mask=batch.mask, token_types=batch.token_types)
+
+
 def count_head_targets(task: str, targets: torch.Tensor, n_labelled: int | None = None) -> int:
     """The examples (or labelled tokens, or label slots) the loss averages over;
     ``n_labelled``, counted on the host, spares a device sync for token tasks."""
@@ -110,7 +118,7 @@ class TaskHead(Objective):
         return self.train.batch(rows).to(self.device, non_blocking=True)
 
     def loss(self, model: nn.Module, batch: LabelledBatch, label_smoothing: float = 0.0) -> torch.Tensor:
-        out = model(batch.tokens, attention_mask=batch.mask)
+        out = head_output(model, batch)
         loss = head_loss(self.task, out, batch.targets, self.weights, label_smoothing)
         return with_auxiliary_loss(model, loss, lambda: self.count_targets(batch))  # a task head over MoE blocks
 
@@ -132,7 +140,7 @@ class TaskHead(Objective):
         total, count, outputs, targets, masks = 0.0, 0, [], [], []
         for batch in self.val.batches(batch_size):
             batch = batch.to(self.device)
-            out = model(batch.tokens, attention_mask=batch.mask)
+            out = head_output(model, batch)
             total += float(head_loss(self.task, out, batch.targets))  # unweighted: comparable across runs
             count += count_head_targets(self.task, batch.targets)
             outputs.append(out.float().cpu())

@@ -23,7 +23,7 @@ from blockformer.errors import UsageError  # noqa: E402
 from blockformer.interop import from_hf, from_peft, to_hf, to_peft  # noqa: E402
 from blockformer.nn.lora import LoRALinear, apply_lora, unload_lora  # noqa: E402
 from blockformer.run_config import DataConfig, LoraConfig, RunConfig, TrainConfig  # noqa: E402
-from blockformer.train.adapter import ADAPTER  # noqa: E402
+from blockformer.train.adapter import ADAPTER, base_fingerprint  # noqa: E402
 from blockformer.train.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 ATOL = 1e-5
@@ -194,6 +194,17 @@ def test_a_lora_checkpoint_refuses_a_changed_base_and_an_old_adapter_still_loads
     safetensors.torch.save_file(tensors, str(lora / ADAPTER), metadata=meta)
     got = load_checkpoint(lora).model(IDS)
     assert 0 < (got - want).abs().max() < 1e-2
+
+
+def test_the_fingerprint_covers_the_base_not_the_adapter_and_sees_an_in_place_change():
+    model = build_model(TransformerConfig(vocab_size=V, d_model=32, n_layers=1, n_heads=4), seed=0)
+    apply_lora(model, LoraConfig(rank=2))
+    first = base_fingerprint(model)
+    randomise_b(model)  # the adapter trains: the base's fingerprint stays
+    assert base_fingerprint(model) == first
+    with torch.no_grad():
+        model.decoder.blocks[0].attn.qkv.weight[3, 1] += 1e-6  # the base changes in place: seen (not cached)
+    assert base_fingerprint(model) != first
 
 
 # ---------------------------------------------------------------------- the command line

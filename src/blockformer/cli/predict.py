@@ -84,7 +84,7 @@ def predict(ckpt: Any, texts: list[Any], batch_size: int = 64, device: Any = "cp
     import torch  # noqa: PLC0415
 
     from ..data.labelled import IGNORE, encode_example, encode_words, pad  # noqa: PLC0415
-    from ..models.embedding import reads_token_types  # noqa: PLC0415
+    from ..data.describe import pair_segments  # noqa: PLC0415
     from ..train.classify import probabilities  # noqa: PLC0415
 
     cfg = ckpt.config
@@ -100,7 +100,7 @@ def predict(ckpt: Any, texts: list[Any], batch_size: int = 64, device: Any = "cp
             ids = [e[0] for e in encoded]
         else:
             ids, types = zip(*(encode_example(t, ckpt.tokenizer, max_len) for t in chunk))
-            if cfg.data.text_pair and reads_token_types(cfg.model):  # segment ids as in training
+            if cfg.data.text_pair and pair_segments(cfg.model):  # segment ids as in training
                 segments = {"token_types": pad(types)[0].to(device)}
         tokens, mask = pad(ids)
         with torch.no_grad():

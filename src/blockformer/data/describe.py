@@ -33,13 +33,14 @@ from typing import Any, Callable, Iterable, Literal, get_args
 
 import torch
 
+from ..config import TransformerConfig
 from ..errors import UsageError
+from ..models.embedding import reads_token_types
 from ..run_config import DataConfig, RunConfig
 from ..tokenizers import TOKENIZERS, Tokenizer, load_tokenizer, train_tokenizer
 from .arrays import DATASETS, DigitStrings, array_data, check_dataset, dataset_labels, dataset_tokenizer
 from .batcher import TokenBatcher
 from .buckets import length_buckets
-from ..models.embedding import reads_token_types
 from .labelled import (Example, LabelledData, class_weights, label_counts, label_names, read_labelled,
                        split_examples, texts_of)
 from .lm import LMDataset
@@ -187,12 +188,18 @@ def labelled_splits(data: DataConfig) -> tuple[list, list]:
     return split_examples(examples, data.val_fraction or 0.1, "data.labels")
 
 
+def pair_segments(model: TransformerConfig) -> bool:
+    """Whether text pairs give ``model`` their segment ids 0 and 1: an encoder whose segment
+    table has a row for each (one row, as RoBERTa's: every token is segment 0, the default)."""
+    return reads_token_types(model) and model.n_token_types >= 2
+
+
 def labelled_data(cfg: RunConfig, examples: list[Example], tokenizer: Tokenizer, where: str) -> LabelledData:
     """``examples`` encoded for ``cfg``'s model: cut to ``data.seq_len``, and text pairs'
-    segment ids kept when the model reads them (an encoder with a segment table)."""
+    segment ids kept when the model reads them (``pair_segments``)."""
     max_len = min(cfg.data.seq_len, cfg.model.max_seq_len)
     return LabelledData(examples, tokenizer, cfg.head.task, cfg.head.labels, max_len, where,
-                        token_types=reads_token_types(cfg.model))
+                        token_types=pair_segments(cfg.model))
 
 
 def split_pairs(pairs: list[tuple[str, str]], data: DataConfig) -> tuple[list, list]:
@@ -292,9 +299,9 @@ def _labelled_batches(cfg: RunConfig, tokenizer: Tokenizer, log: Log, compiled: 
         f"{len(head.labels) or 'regression'} labels")
     if data.text_pair:
         log(f"data: text pairs (data.text_pair={data.text_pair!r}) as <s> a </s> b </s>, "
-            + ("segment ids 0 then 1" if reads_token_types(cfg.model) else "no segment ids ("
-               + ("model.n_token_types=0" if cfg.model.arch == "encoder" else "only an encoder reads them")
-               + "): </s> alone marks where the second text starts"))
+            + ("segment ids 0 then 1" if pair_segments(cfg.model) else "no segment ids ("
+               + (f"model.n_token_types={cfg.model.n_token_types}" if cfg.model.arch == "encoder"
+                  else "only an encoder reads them") + "): </s> alone marks where the second text starts"))
     return Batches(train, val, class_weights=weights)
 
 

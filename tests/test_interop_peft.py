@@ -125,6 +125,8 @@ def test_q_and_v_only_fuse_at_rank_2r_with_k_untouched(bases, tmp_path):
     assert torch.count_nonzero(layer.lora_B["qkv"][q:q + kv]) == 0  # k's rows
     assert not isinstance(adapted.model.decoder.blocks[0].ffn.up, LoRALinear)
     torch.testing.assert_close(logits(adapted.model, adapted), peft_logits(theirs), atol=ATOL, rtol=0)
+    with pytest.raises(UsageError, match="already carries LoRA adapters"):
+        from_peft(tmp_path / "adapter", adapted)  # a second adapter would silently replace the first
 
 
 # ---------------------------------------------------------------------- blockformer -> PEFT

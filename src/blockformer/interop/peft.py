@@ -362,6 +362,8 @@ def from_peft(adapter: str | Path, base: str | Path | Imported) -> ImportedAdapt
     if isinstance(model, TaskModel):
         raise UsageError(f"{base if not isinstance(base, Imported) else 'base'}: a model with a task head; PEFT "
                          f"adapters map onto the language models of {', '.join(FAMILIES)} here")
+    if lora_layers(model):
+        raise UsageError("base: already carries LoRA adapters; expected a model as from_hf imports it")
     family = _family(model)
     places = _places(model, family)
     in_features = {p.ours: model.get_submodule(p.ours).in_features for p in places.values()}

@@ -38,7 +38,7 @@ Objective = Literal["auto", "lm", "mlm"]
 Compile = Literal["auto"]
 Freeze = Literal["none", "embeddings", "body"]
 HeadTask = Literal["none", "classify", "multilabel", "tokens", "regress"]
-Pooling = Literal["auto", "cls", "mean", "last"]
+Pooling = Literal["auto", "cls", "mean", "last", "pooler"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 Checkpointing = Literal["none", "full", "selective"]
 ReportTo = Literal["jsonl", "tensorboard"]  # train.report_to's entries (train/tracking.py)
@@ -249,7 +249,8 @@ class HeadConfig:
     number per text (mean squared error). ``labels`` is filled in from the training data."""
 
     task: HeadTask = "none"
-    pooling: Pooling = "auto"  # auto: cls for encoders, last for decoders
+    pooling: Pooling = "auto"  # auto: cls for encoders, last for decoders; pooler: the body's (BERT's)
+    bias: bool = True  # a sequence head's bias (Hugging Face decoders' score layers have none)
     dropout: float = 0.1
     class_weights: str = ""  # "balanced" (inverse frequency) or "label=weight,label=weight"
     labels: list[str] = field(default_factory=list)

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         out = to_hf(args.to_hf, args.out, overwrite=args.overwrite, max_shard_size=max_bytes)
         print(f"wrote a Hugging Face model -> {out}")
         return 0
-    from ..run_config import DataConfig, RunConfig  # noqa: PLC0415
+    from ..run_config import DataConfig, HeadConfig, RunConfig  # noqa: PLC0415
     from ..train.checkpoint import save_checkpoint  # noqa: PLC0415
 
     imported = from_hf(source, tokenizer=args.tokenizer)
@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         )
     # Training or evaluating from this checkpoint uses its tokenizer and fits its position table.
     data = DataConfig(tokenizer=str(Path(args.out).resolve()), seq_len=min(DataConfig.seq_len, imported.config.max_seq_len))
-    out = save_checkpoint(args.out, imported.model, imported.tokenizer, RunConfig(model=imported.config, data=data))
+    run_cfg = RunConfig(model=imported.config, data=data, head=imported.head or HeadConfig())  # a task head: predict reads it
+    out = save_checkpoint(args.out, imported.model, imported.tokenizer, run_cfg)
     from ..serve.engine import chat_template_of  # noqa: PLC0415
 
     template = chat_template_of(source)

@@ -14,7 +14,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -22,9 +22,12 @@ from torch import nn
 from ..config import TransformerConfig
 from ..errors import UsageError
 from ..models import build_model
+from ..models.heads import TaskModel
+from ..run_config import HeadConfig
 from ..tokenizers.base import FILE_NAME, Tokenizer
 from ..tokenizers.bpe import BPETokenizer
 from .families import Family, family_for_config, family_for_model_type
+from .heads import export_head, import_head, task_tokenizer_json
 from .hf_dir import CONFIG, DEFAULT_MAX_SHARD_SIZE, HFWeights, parse_size, read_hf_config, write_hf_dir
 from .hub import model_card, resolve_source
 from .rules import Rule
@@ -44,6 +47,7 @@ class Imported:
     config: TransformerConfig
     family: str
     vocab: VocabMap
+    head: HeadConfig | None = None  # a task head's [head] section (BertForSequenceClassification, ...)
 
 
 class _StateDict:
@@ -102,6 +106,7 @@ def from_hf(source: str | Path | nn.Module, *, tokenizer: str | Path | None = No
         weights = HFWeights(directory, family.prefix, family.outside)
         tok_dir = directory
     cfg = _config_from_hf(family, hf_cfg, weights.has, where)
+    head = import_head(family, hf_cfg, weights.has, where, type(source).__name__ if isinstance(source, nn.Module) else None)
     found = None
     if tokenizer is not None:
         tok_path = Path(tokenizer)
@@ -113,8 +118,10 @@ def from_hf(source: str | Path | nn.Module, *, tokenizer: str | Path | None = No
     tok, vmap = found if found is not None else (None, VocabMap.identity(cfg.vocab_size))
     cfg = dataclasses.replace(cfg, vocab_size=vmap.size)
     model = build_model(cfg)
-    _load(model, family, weights, vmap)
-    return Imported(model=model.eval(), tokenizer=tok, config=cfg, family=family.name, vocab=vmap)
+    _load(model, family, weights, vmap, head.names if head is not None else ())
+    model = head.attach(model, weights) if head is not None else model
+    return Imported(model=model.eval(), tokenizer=tok, config=cfg, family=family.name, vocab=vmap,
+                    head=head.config if head is not None else None)
 
 
 def _config_from_hf(family: Family, hf_cfg: dict, has, where: str) -> TransformerConfig:
@@ -150,11 +157,11 @@ def _old_norm_names(name: str) -> tuple[str, ...]:
 
 
 @torch.no_grad()
-def _load(model: nn.Module, family: Family, weights, vmap: VocabMap) -> None:
+def _load(model: nn.Module, family: Family, weights, vmap: VocabMap, head_names: tuple[str, ...] = ()) -> None:
     cfg: TransformerConfig = model.cfg
     params = _params(model)
     filled: set[int] = set()
-    used: set[str] = set()
+    used: set[str] = set(head_names)  # a task head's tensors: read by interop.heads
     for rule in family.rules(cfg):
         param = params[rule.ours]
         parts = []
@@ -187,14 +194,16 @@ def _their_shapes(rule: Rule, shape: torch.Size, vmap: VocabMap, cfg: Transforme
 # ---------------------------------------------------------------------- export
 def to_hf(
     source: str | Path | nn.Module, out: str | Path, *, tokenizer: Tokenizer | None = None, overwrite: bool = False,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, labels: Sequence[str] | None = None,
 ) -> Path:
     """Write a blockformer checkpoint (or model, with its tokenizer) as a Hugging Face
     directory: ``config.json``, ``model.safetensors`` and, for a ``tokenizers`` tokenizer,
     ``tokenizer.json`` with a ``tokenizer_config.json``, and a ``README.md`` model card.
     Weights past ``max_shard_size`` (``"500MB"``, ``"2GB"``, bytes) are sharded with an index.
     ``out`` must be new or empty (or, with ``overwrite``, is replaced whole), and never the
-    source or a directory around it."""
+    source or a directory around it. A ``TaskModel`` is written as the family's
+    ``...ForSequenceClassification``/``...ForTokenClassification`` (``interop.heads``), its
+    labels the checkpoint's (or ``labels``; else ``LABEL_i``)."""
 
     if not isinstance(source, (str, Path)) and not isinstance(getattr(source, "cfg", None), TransformerConfig):
         raise TypeError(f"source: {kind_of(source)}; expected a blockformer checkpoint directory or model")
@@ -210,6 +219,7 @@ def to_hf(
 
         ckpt = load_checkpoint(source)
         model, tokenizer = ckpt.model, ckpt.tokenizer
+        labels = ckpt.config.head.labels if labels is None else labels
     cfg: TransformerConfig = model.cfg
     family = family_for_config(cfg)
     family.check_exportable(cfg)
@@ -220,7 +230,7 @@ def to_hf(
     if isinstance(tokenizer, BPETokenizer):
         order = tokenizer.source_ids()
         vmap = VocabMap(_extend(order, cfg.vocab_size), cfg.vocab_size)
-    tensors = _export_tensors(model, family, vmap)
+    tensors = _export_tensors(model.body if isinstance(model, TaskModel) else model, family, vmap)
     tensors.update(family.extra(cfg))
     ids = hf_special_ids(tokenizer, vmap) if tokenizer is not None else {r: i for i, r in enumerate(("pad", "bos", "eos", "unk"))}
     files = {}
@@ -231,6 +241,10 @@ def to_hf(
         files = {FILE_NAME: tokenizer.hf.to_str(pretty=True), "tokenizer_config.json": json.dumps(tok_cfg, indent=2) + "\n"}
     out = Path(out)
     hf_config = family.config_to_hf(cfg, ids)
+    if isinstance(model, TaskModel):  # the head's tensors and labels; refused where the family's head differs
+        export_head(model, family.name, labels, tensors, hf_config)
+        if FILE_NAME in files:  # texts reach the head as <s> text </s>, as blockformer's labelled data
+            files[FILE_NAME] = task_tokenizer_json(tokenizer.hf, ids["bos"], ids["eos"])
     where = f"`{source}`" if isinstance(source, (str, Path)) else f"a {type(model).__name__} object (in memory)"
     files["README.md"] = model_card(hf_config, cfg.to_dict(), source=where, family=family.name, out=str(out),
                                     n_params=sum(p.numel() for p in model.parameters()), tokenizer=FILE_NAME in files)

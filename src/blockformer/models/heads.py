@@ -5,9 +5,10 @@ token ids, so any body that yields hidden states can carry one (a text encoder, 
 an encoder-decoder's encoder, a vision encoder's patches).
 
 - ``SequenceHead``: one vector per sequence (pooled: the first position ``cls``, the
-  ``mean`` of the real positions, or the ``last`` real position, which is the only one a
-  causal decoder lets see the whole text), then a linear layer: class logits, or one
-  number for regression.
+  ``mean`` of the real positions, the ``last`` real position, which is the only one a
+  causal decoder lets see the whole text, or the body's own ``pooler``: BERT's dense + tanh
+  on the first position), then a linear layer (with or without a bias): class logits, or
+  one number for regression.
 - ``TokenHead``: a linear layer at every position (token classification).
 
 ``TaskModel`` joins a body and a head; its state dict keys are ``body.*`` and ``head.*``.
@@ -15,13 +16,15 @@ an encoder-decoder's encoder, a vision encoder's patches).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
 from ..nn.dropout import Dropout
 from .checks import check_token_types
 
-POOLINGS = ("cls", "mean", "last")
+POOLINGS = ("cls", "mean", "last", "pooler")  # pooler: the body's, passed to SequenceHead
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor | None, how: str) -> torch.Tensor:
@@ -41,21 +44,31 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor | None, how: str) -> torch.Ten
 
 
 class SequenceHead(nn.Module):
-    """Pooled hidden state -> dropout -> ``n_outputs`` logits (or values)."""
+    """Pooled hidden state -> dropout -> ``n_outputs`` logits (or values).
 
-    def __init__(self, d_model: int, n_outputs: int, pooling: str = "cls", dropout: float = 0.0) -> None:
+    ``pooling="pooler"`` reads ``pooler`` (the body's ``pool``, BERT's pooler): its weights
+    stay the body's, so they load, train and export as the body's. ``task`` (``classify``,
+    ``multilabel``, ``regress``) says what the outputs mean, for an export."""
+
+    def __init__(self, d_model: int, n_outputs: int, pooling: str = "cls", dropout: float = 0.0, *,
+                 bias: bool = True, pooler: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 task: str = "classify") -> None:
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"pooling={pooling!r}: expected one of {POOLINGS}")
-        self.pooling = pooling
+        if (pooling == "pooler") != (pooler is not None):
+            raise ValueError(f"pooling={pooling!r}: a pooler is passed exactly with pooling='pooler'")
+        self.pooling, self.pooler, self.task = pooling, pooler, task  # a bound method: not a submodule
         self.dropout = Dropout(dropout)
-        self.proj = nn.Linear(d_model, n_outputs)
+        self.proj = nn.Linear(d_model, n_outputs, bias=bias)
         nn.init.normal_(self.proj.weight, 0.0, 0.02)
-        nn.init.zeros_(self.proj.bias)
+        if bias:
+            nn.init.zeros_(self.proj.bias)
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, d_model) -> (B, n_outputs)."""
-        return self.proj(self.dropout(pool(hidden, mask, self.pooling)))
+        pooled = self.pooler(hidden) if self.pooler is not None else pool(hidden, mask, self.pooling)
+        return self.proj(self.dropout(pooled))
 
 
 class TokenHead(nn.Module):
@@ -94,8 +107,10 @@ class TaskModel(nn.Module):
         return self.head(hidden, attention_mask if hidden_mask is None else hidden_mask(attention_mask))
 
 
-def build_head(task: str, d_model: int, n_outputs: int, pooling: str, dropout: float) -> nn.Module:
-    """The head for a ``[head] task``: ``tokens`` gets a ``TokenHead``, the rest a ``SequenceHead``."""
+def build_head(task: str, d_model: int, n_outputs: int, pooling: str, dropout: float, *, bias: bool = True,
+               pooler: Callable[[torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
+    """The head for a ``[head] task``: ``tokens`` gets a ``TokenHead``, the rest a ``SequenceHead``
+    (``pooler``: the body's ``pool``, for ``pooling="pooler"``)."""
     if task == "tokens":
         return TokenHead(d_model, n_outputs, dropout)
-    return SequenceHead(d_model, n_outputs, pooling, dropout)
+    return SequenceHead(d_model, n_outputs, pooling, dropout, bias=bias, pooler=pooler, task=task)

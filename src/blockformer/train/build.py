@@ -31,6 +31,20 @@ def pooling_for(cfg: RunConfig) -> str:
     return "last" if cfg.model.arch == "decoder" else "cls"
 
 
+def body_pooler(cfg: RunConfig, body: nn.Module):
+    """The body's own pooler for ``head.pooling = "pooler"`` (BERT's dense + tanh on [CLS]),
+    else None; refused, naming the field, where it cannot apply."""
+    if cfg.head.task == "tokens" and not cfg.head.bias:
+        raise UsageError("head.bias=false: only a sequence head drops its bias; expected head.bias=true "
+                         "with head.task='tokens'")
+    if cfg.head.task == "tokens" or pooling_for(cfg) != "pooler":
+        return None
+    if not cfg.model.pooler:
+        raise UsageError("head.pooling='pooler': the body has no pooler; expected model.pooler=true (a BERT "
+                         "imported with its pooler) or head.pooling cls, mean or last")
+    return body.pool
+
+
 def build_run_model(cfg: RunConfig, *, seed: int | None = None) -> nn.Module:
     """Body, task head, adapters and frozen parts of ``cfg``'s model, freshly initialised
     (from ``seed`` when given, without touching the global random stream)."""
@@ -43,7 +57,7 @@ def build_run_model(cfg: RunConfig, *, seed: int | None = None) -> nn.Module:
             if n_out < 1:
                 raise UsageError(f"head.labels: empty; expected the labels of head.task={cfg.head.task!r}")
             model = TaskModel(model, build_head(cfg.head.task, cfg.model.d_model, n_out, pooling_for(cfg),
-                                                cfg.head.dropout))
+                                                cfg.head.dropout, bias=cfg.head.bias, pooler=body_pooler(cfg, model)))
         if cfg.lora.rank > 0:
             if not cfg.train.init_from:
                 raise UsageError("lora.rank: adapters adapt a trained model; expected train.init_from=CKPT "

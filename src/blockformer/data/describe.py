@@ -298,10 +298,11 @@ def _labelled_batches(cfg: RunConfig, tokenizer: Tokenizer, log: Log, compiled: 
     log(f"data: {len(train):,} labelled training examples, {len(val):,} held out, "
         f"{len(head.labels) or 'regression'} labels")
     if data.text_pair:
-        log(f"data: text pairs (data.text_pair={data.text_pair!r}) as <s> a </s> b </s>, "
-            + ("segment ids 0 then 1" if pair_segments(cfg.model) else "no segment ids ("
-               + (f"model.n_token_types={cfg.model.n_token_types}" if cfg.model.arch == "encoder"
-                  else "only an encoder reads them") + "): </s> alone marks where the second text starts"))
+        m = cfg.model
+        segments = "segment ids 0 then 1" if pair_segments(m) else (
+            f"no segment ids (model.arch={m.arch!r}, model.n_token_types={m.n_token_types}): </s> alone marks "
+            f"where the second text starts")
+        log(f"data: text pairs (data.text_pair={data.text_pair!r}) as <s> a </s> b </s>, {segments}")
     return Batches(train, val, class_weights=weights)
 
 

@@ -120,7 +120,7 @@ def test_a_bert_classifier_on_the_pooler_gives_pipelines_its_labels_and_probabil
 def test_a_bert_token_classifier_gives_the_same_probabilities_per_token(bert_ckpt, tmp_path):
     ckpt = fine_tune(bert_ckpt, tmp_path, "tokens")
     out = to_hf(ckpt, tmp_path / "hf")
-    hf = transformers.AutoModelForTokenClassification.from_pretrained(out).eval()
+    hf = load_exported(transformers.AutoModelForTokenClassification, out)
     assert type(hf).__name__ == "BertForTokenClassification"
     tok = transformers.AutoTokenizer.from_pretrained(out)
     loaded = load_checkpoint(ckpt)
@@ -135,7 +135,7 @@ def test_a_bert_token_classifier_gives_the_same_probabilities_per_token(bert_ckp
 def test_a_bert_regression_head_exports_with_problem_type_regression_and_equal_values(bert_ckpt, tmp_path):
     ckpt = fine_tune(bert_ckpt, tmp_path, "regress", "head.pooling=pooler")
     out = to_hf(ckpt, tmp_path / "hf")
-    hf = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
+    hf = load_exported(transformers.AutoModelForSequenceClassification, out)
     assert hf.config.problem_type == "regression" and hf.config.num_labels == 1
     tok = transformers.AutoTokenizer.from_pretrained(out)
     batch = tok(TEXTS, return_tensors="pt", padding=True)
@@ -156,30 +156,60 @@ def decoder_task_model(name: str, task: str = "classify", pooling: str = "last",
                        vocab_size: int = 60) -> TaskModel:
     fields = {**DECODERS[name], "vocab_size": vocab_size, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 32}
     body = build_model(TransformerConfig(**fields), seed=1)
-    head = TokenHead(32, 3) if task == "tokens" else SequenceHead(32, 1 if task == "regress" else 3, pooling,
-                                                                  bias=bias, task=task)
+    head = TokenHead(32, 3) if task == "tokens" else SequenceHead(32, 3, pooling, bias=bias, task=task)
     torch.nn.init.normal_(head.proj.weight, 0, 0.5)
     if head.proj.bias is not None and task == "tokens":
         torch.nn.init.normal_(head.proj.bias, 0, 0.5)
     return TaskModel(body, head).eval()
 
 
+def right_padded(pad_id: int, vocab_size: int = 60) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(4, vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, 6:] = mask[2, 3:] = False
+    ids[~mask] = pad_id  # right padding, as blockformer batches
+    return ids, mask
+
+
+def load_exported(auto, out: Path):
+    hf, info = auto.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]  # every tensor where the class wants it
+    return hf.eval()
+
+
 @pytest.mark.parametrize("name", list(DECODERS))
-@pytest.mark.parametrize("task", ["classify", "tokens"])
+@pytest.mark.parametrize("task", ["classify", "multilabel", "tokens"])
 def test_a_decoder_head_exports_with_equal_logits_at_the_last_real_token(name, task, tmp_path):
     model = decoder_task_model(name, task)
     out = to_hf(model, tmp_path / "hf", labels=LABELS)
     auto = transformers.AutoModelForTokenClassification if task == "tokens" else transformers.AutoModelForSequenceClassification
-    hf = auto.from_pretrained(out).eval()
+    hf = load_exported(auto, out)
     assert hf.config.id2label == dict(enumerate(LABELS))
-    ids = torch.randint(4, 60, (3, 9), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    mask[1, 6:] = mask[2, 3:] = False
-    ids[~mask] = hf.config.pad_token_id  # right padding, as blockformer batches
+    if task != "tokens":
+        assert hf.config.problem_type == {"classify": "single_label_classification",
+                                          "multilabel": "multi_label_classification"}[task]
+    ids, mask = right_padded(hf.config.pad_token_id)
     with torch.no_grad():
         ours, theirs = model(ids, attention_mask=mask), hf(ids, attention_mask=mask.long()).logits
     if task == "tokens":
         ours, theirs = ours[mask], theirs[mask]
+    torch.testing.assert_close(theirs, ours, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_a_decoder_sequence_classifier_imports_with_equal_logits(name):
+    config = {"gpt2": lambda: transformers.GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=32),
+              "llama": lambda: transformers.LlamaConfig(vocab_size=60, hidden_size=32, intermediate_size=48,
+                                                        num_hidden_layers=2, num_attention_heads=4,
+                                                        max_position_embeddings=32)}[name]()
+    config.pad_token_id, config.id2label = 0, dict(enumerate(LABELS))
+    config.label2id = {n: i for i, n in enumerate(LABELS)}
+    hf = _randomize(transformers.AutoModelForSequenceClassification.from_config(config))
+    imported = from_hf(hf)  # a model object: no tokenizer, Hugging Face's own ids
+    assert isinstance(imported.model, TaskModel) and imported.head.labels == LABELS and not imported.head.bias
+    ids, mask = right_padded(0)
+    with torch.no_grad():
+        ours, theirs = imported.model(ids, attention_mask=mask), hf(ids, attention_mask=mask.long()).logits
     torch.testing.assert_close(theirs, ours, atol=ATOL, rtol=0)
 
 

@@ -107,6 +107,7 @@ def from_hf(source: str | Path | nn.Module, *, tokenizer: str | Path | None = No
         tok_dir = directory
     cfg = _config_from_hf(family, hf_cfg, weights.has, where)
     head = import_head(family, hf_cfg, weights.has, where, type(source).__name__ if isinstance(source, nn.Module) else None)
+    cfg = cfg if head is None else head.body_config(cfg)
     found = None
     if tokenizer is not None:
         tok_path = Path(tokenizer)

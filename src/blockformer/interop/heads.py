@@ -20,12 +20,14 @@ Labels travel as ``id2label``/``label2id``; the task as ``problem_type``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
+from ..config import TransformerConfig
 from ..errors import UsageError
 from ..models.heads import SequenceHead, TaskModel, TokenHead, build_head
 from ..run_config import HeadConfig, RunConfig
@@ -140,6 +142,12 @@ class ImportedHead:
     @property
     def names(self) -> tuple[str, ...]:
         return (self.weight,) + ((self.bias,) if self.bias else ())
+
+    @staticmethod
+    def body_config(cfg: TransformerConfig) -> TransformerConfig:
+        """The body a task class carries: no LM head of its own (``LlamaForSequenceClassification``
+        has no ``lm_head``), so the body's unused one is the tied embedding."""
+        return dataclasses.replace(cfg, tie_embeddings=True)
 
     @torch.no_grad()
     def attach(self, body: nn.Module, weights) -> TaskModel:

@@ -101,7 +101,8 @@ def test_overwrite_replaces_the_directory_whole(tmp_path, ckpt, hf, capsys, dire
     assert main(["convert", direction, str(source), "--out", str(out), "--overwrite"]) == 0, capsys.readouterr().err
     assert not step_checkpoints(out) and not list(out.glob("step-*"))
     if direction == "--to-hf":
-        assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]  # + the model card
+        assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "generation_config.json",
+                                                         "model.safetensors"]  # + the model card and generate()'s defaults
         assert from_hf(out).config.d_model == CFG.d_model
     else:
         assert load_checkpoint(out).config.model.d_model == CFG.d_model

@@ -160,7 +160,8 @@ def test_every_field_exports_exactly_or_is_refused_naming_it(family, tmp_path):
     assert not wrong, "\n".join(wrong)
     assert exported and refused  # both paths ran
     if family == "llama":  # the newer options that once exported silently wrong
-        assert {"ffn_experts", "attention_window", "rope_scaling", "output_scale"} <= set(refused)
+        assert {"ffn_experts", "output_scale"} <= set(refused)
+        assert {"attention_window", "rope_scaling", "rope_scaling_factor", "n_kv_heads"} <= set(exported)
 
 
 def test_every_field_gets_cases_and_every_family_names_real_fields():

@@ -83,6 +83,12 @@ DECODERS = {
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
         vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, max_position_embeddings=64, sliding_window=None)),
+    "mistral-sliding-window": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=4)),
+    "llama-linear-rope-scaling": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, rope_scaling={"rope_type": "linear", "factor": 4.0})),
 }
 
 
@@ -284,3 +290,51 @@ def test_an_imported_chat_template_reaches_the_server(tmp_path):
     assert main(["convert", "--from-hf", str(src), "--out", str(tmp_path / "ckpt")]) == 0
     assert (tmp_path / "ckpt" / "chat_template.jinja").read_text() == template
     assert Engine.from_checkpoint(tmp_path / "ckpt").chat_template == template
+
+
+@pytest.mark.parametrize("name", list(SEQ2SEQ))
+def test_an_exported_encoder_decoder_generates_as_blockformer_under_transformers_defaults(name, tmp_path):
+    """``generate()`` with nothing but the exported files (config.json, generation_config.json)
+    starts from the token blockformer trains targets from and gives blockformer's greedy output."""
+    hf = _randomize_seq2seq(SEQ2SEQ[name]())
+    imported = from_hf(save_hf(hf, tmp_path / "in"))
+    out = to_hf(imported.model, tmp_path / "out", tokenizer=imported.tokenizer)
+    back = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    src, src_mask = random_batch(9)
+    with torch.no_grad():
+        theirs = back.generate(src, attention_mask=src_mask.long())  # the exported defaults, nothing else
+    limit = imported.config.max_seq_len - 1  # generation_config's max_length counts the start token
+    got = greedy_decode(imported.model, ours(imported, src), src_mask, max_len=limit)
+    eos = back.generation_config.eos_token_id
+    assert theirs[:, 0].tolist() == [imported.vocab.their_id(imported.tokenizer.bos_id)] * len(got)
+    for row, ids in zip(theirs.tolist(), got):
+        row = row[1:]
+        row = row[: row.index(eos)] if eos in row else row
+        assert theirs_ids(imported, torch.tensor(ids, dtype=torch.long)).tolist() == row
+    assert max(len(ids) for ids in got) > 5  # long enough to mean something
+
+
+def test_an_exported_bert_keeps_its_token_roles_and_runs_fill_mask(tmp_path):
+    """mask/cls/sep survive the export (tokenizer_config.json and special_tokens_map.json), so
+    ``pipeline("fill-mask")`` runs on it and ranks tokens as blockformer does."""
+    import json
+
+    hf = _randomize(transformers.BertForMaskedLM(bert_config()))
+    specials = {"[CLS]": 5, "[SEP]": 7, "[PAD]": 9, "[UNK]": 11, "[MASK]": 13}
+    imported = from_hf(save_hf(hf, tmp_path / "in", specials=specials))
+    out = to_hf(imported.model, tmp_path / "out", tokenizer=imported.tokenizer)
+    roles = json.loads((out / "special_tokens_map.json").read_text())
+    assert roles == {"pad_token": "[PAD]", "bos_token": "[CLS]", "eos_token": "[SEP]", "unk_token": "[UNK]",
+                     "cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert (tok.mask_token_id, tok.cls_token_id, tok.sep_token_id) == (13, 5, 7)
+    fill = transformers.pipeline("fill-mask", model=str(out), tokenizer=str(out), top_k=5)
+    text = "w20 w21 [MASK] w23"
+    preds = fill(text)
+    hf_ids = torch.tensor([tok(text)["input_ids"]])
+    where = hf_ids[0].tolist().index(13)
+    with torch.no_grad():
+        probs = imported.model(ours(imported, hf_ids))[0, where].softmax(-1)
+    top = probs.topk(5)
+    assert [p["token"] for p in preds] == [imported.vocab.their_id(i) for i in top.indices.tolist()]
+    assert np.allclose([p["score"] for p in preds], top.values.numpy(), atol=1e-5)

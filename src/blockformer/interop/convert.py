@@ -26,12 +26,12 @@ from ..models.heads import TaskModel
 from ..run_config import HeadConfig
 from ..tokenizers.base import FILE_NAME, Tokenizer
 from ..tokenizers.bpe import BPETokenizer
-from .families import Family, family_for_config, family_for_model_type
+from .families import Family, family_for_config, family_for_model_type, generation_config
 from .heads import export_head, import_head, task_tokenizer_json
 from .hf_dir import CONFIG, DEFAULT_MAX_SHARD_SIZE, HFWeights, parse_size, read_hf_config, write_hf_dir
 from .hub import model_card, resolve_source
 from .rules import Rule
-from .vocab import VocabMap, hf_special_ids, import_tokenizer
+from .vocab import VocabMap, hf_special_ids, import_tokenizer, token_roles
 from ..models.checks import kind_of
 from ..train.checkpoint import step_checkpoints
 from ..train.checkpoint import load_checkpoint
@@ -223,10 +223,7 @@ def to_hf(
         labels = ckpt.config.head.labels if labels is None else labels
     cfg: TransformerConfig = model.cfg
     family = family_for_config(cfg)
-    family.check_exportable(cfg)
-    if cfg.n_kv_heads != cfg.n_heads and family.name != "llama":
-        raise UsageError(f"model.n_kv_heads={cfg.n_kv_heads} has no counterpart in Hugging Face {family.name}; "
-                         f"expected n_kv_heads = n_heads = {cfg.n_heads}")
+    family.check_exportable(cfg)  # every field: mapped, or at a value the family computes
     vmap = VocabMap.identity(cfg.vocab_size)
     if isinstance(tokenizer, BPETokenizer):
         order = tokenizer.source_ids()
@@ -236,12 +233,13 @@ def to_hf(
     ids = hf_special_ids(tokenizer, vmap) if tokenizer is not None else {r: i for i, r in enumerate(("pad", "bos", "eos", "unk"))}
     files = {}
     if isinstance(tokenizer, BPETokenizer):
-        names = {r: tokenizer.hf.id_to_token(i) for r, i in ids.items()}
-        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
-                   **{f"{r}_token": n for r, n in names.items()}}
-        files = {FILE_NAME: tokenizer.hf.to_str(pretty=True), "tokenizer_config.json": json.dumps(tok_cfg, indent=2) + "\n"}
+        roles = token_roles(tokenizer, ids, cfg.arch)  # pad ... unk, and cls/sep/mask where the model has them
+        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len, **roles}
+        files = {FILE_NAME: tokenizer.hf.to_str(pretty=True), "tokenizer_config.json": json.dumps(tok_cfg, indent=2) + "\n",
+                 "special_tokens_map.json": json.dumps(roles, indent=2) + "\n"}
     out = Path(out)
     hf_config = family.config_to_hf(cfg, ids)
+    files["generation_config.json"] = json.dumps(generation_config(cfg, hf_config), indent=2) + "\n"
     if isinstance(model, TaskModel):  # the head's tensors and labels; refused where the family's head differs
         export_head(model, family.name, labels, tensors, hf_config)
         if FILE_NAME in files:  # texts reach the head as <s> text </s>, as blockformer's labelled data

@@ -87,3 +87,21 @@ def import_tokenizer(
 def hf_special_ids(tokenizer, vmap: VocabMap) -> dict[str, int]:
     """Hugging Face ids of pad/bos/eos/unk, for an exported ``config.json``."""
     return {role: vmap.their_id(getattr(tokenizer, f"{role}_id")) for role in ("pad", "bos", "eos", "unk")}
+
+
+MASK_NAMES = ("[MASK]", "<mask>", "<MASK>", "<|mask|>")
+
+
+def token_roles(tokenizer: BPETokenizer, ids: dict[str, int], arch: str) -> dict[str, str]:
+    """transformers' special-token roles of an exported tokenizer, by token name (keys as in
+    ``tokenizer_config.json``: ``pad_token``, ...). pad, bos, eos and unk always; an encoder's
+    or encoder-decoder's ``cls_token`` and ``sep_token`` are its bos and eos (BERT's [CLS] and
+    [SEP], BART's <s> and </s>); ``mask_token`` is the tokenizer's own mask token or, for an
+    encoder without one, unk, the token blockformer's masked-LM training puts in masked places."""
+    roles = {f"{r}_token": tokenizer.hf.id_to_token(i) for r, i in ids.items()}
+    if arch != "decoder":
+        roles.update(cls_token=roles["bos_token"], sep_token=roles["eos_token"])
+    mask = next((n for n in MASK_NAMES if tokenizer.hf.token_to_id(n) is not None), None)
+    if mask is not None or arch == "encoder":
+        roles["mask_token"] = mask if mask is not None else roles["unk_token"]
+    return roles

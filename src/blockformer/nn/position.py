@@ -56,6 +56,14 @@ class AbsolutePosition(nn.Module):
         return self.sinusoids[positions]  # (B, T, d_model)
 
 
+def rope_base_of(cfg: TransformerConfig) -> float:
+    """The base rope's frequencies are computed from: ``rope_base``, raised for "ntk"
+    scaling to ``rope_base * s^(d/(d-2))`` (a static change of base, nothing else)."""
+    if cfg.rope_scaling == "ntk":
+        return cfg.rope_base * cfg.rope_scaling_factor ** (cfg.head_dim / max(cfg.head_dim - 2, 1))
+    return cfg.rope_base
+
+
 class Rotary(nn.Module):
     """Rotary embedding tables: ``cos`` and ``sin`` of ``position * theta_i``.
 
@@ -72,8 +80,7 @@ class Rotary(nn.Module):
         # "ntk" (NTK-aware, bloc97 2023): base * s^(d/(d-2)), which leaves the fastest
         # frequencies (local order) alone and slows the slowest ones by s.
         self.position_scale = 1.0 / s if cfg.rope_scaling == "linear" else 1.0
-        if cfg.rope_scaling == "ntk":
-            self.base = cfg.rope_base * s ** (cfg.head_dim / max(cfg.head_dim - 2, 1))
+        self.base = rope_base_of(cfg)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Frequencies are computed here in fp32, not kept in a buffer: `model.to(bfloat16)`

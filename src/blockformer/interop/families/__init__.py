@@ -22,6 +22,7 @@ from .base import (  # noqa: F401 - the shared helpers, still importable from he
     activation_to_hf,
     equal_or_refuse,
     flag,
+    generation_config,
     integer,
     mapping,
     need,

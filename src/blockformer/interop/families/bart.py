@@ -50,8 +50,8 @@ def _config_to_hf(cfg: TransformerConfig, ids: dict[str, int], marian: bool) -> 
         "scale_embedding": cfg.scale_embeddings, "dropout": cfg.dropout, "attention_dropout": cfg.attention_dropout,
         "activation_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings, "is_encoder_decoder": True,
         "pad_token_id": ids["pad"], "bos_token_id": ids["bos"], "eos_token_id": ids["eos"],
-        # blockformer's decoders start from bos; BART's convention is eos, Marian's pad.
-        "decoder_start_token_id": ids["pad"] if marian else ids["eos"], "forced_eos_token_id": ids["eos"],
+        # blockformer's targets start at bos (BART's own start at eos, Marian's at pad), and no eos is forced.
+        "decoder_start_token_id": ids["bos"], "forced_eos_token_id": None,
         "torch_dtype": "float32",
     }
     if marian:

@@ -162,3 +162,16 @@ def activation_from_hf(name: Any, key: str, where: str) -> tuple[str, str]:
 def activation_to_hf(cfg: TransformerConfig) -> str:
     base = {"gelu": "gelu", "geglu": "gelu", "relu": "relu", "silu": "silu", "swiglu": "silu"}[cfg.ffn]
     return "gelu_new" if base == "gelu" and cfg.gelu_approximate == "tanh" else base
+
+
+def generation_config(cfg: TransformerConfig, hf_config: dict) -> dict:
+    """``generation_config.json``: what ``generate()`` in transformers reads by default, set
+    so that it decodes as blockformer does: greedy, the config's special ids, an
+    encoder-decoder's target started from the token blockformer trains it from (bos), never
+    a forced eos, and at most ``max_length`` target tokens counting the start (the position
+    table's length)."""
+    out = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+           if k in hf_config}
+    if cfg.arch == "encoder-decoder":
+        out["max_length"] = cfg.max_seq_len
+    return {**out, "do_sample": False, "num_beams": 1}

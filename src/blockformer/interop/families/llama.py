@@ -1,5 +1,6 @@
-"""Llama (Touvron et al. 2023) and Mistral without a sliding window: a Pre-Norm decoder
-with RMSNorm, rotary positions, SwiGLU and grouped-query attention.
+"""Llama (Touvron et al. 2023) and Mistral (Jiang et al. 2023): a Pre-Norm decoder with
+RMSNorm, rotary positions (unscaled or linearly scaled), SwiGLU and grouped-query attention;
+Mistral's sliding window is blockformer's ``attention_window``.
 
 Hugging Face stores q/k projections in the rotate-half rope layout, blockformer's own, so
 importing copies them; a blockformer model with ``rope_interleaved`` has its q/k rows
@@ -9,18 +10,25 @@ re-ordered on export (``rules.interleaved_to_half``). Q, K, V and gate/up are fu
 from __future__ import annotations
 
 from ...config import TransformerConfig
+from ...nn.position import rope_base_of
 from ..rules import Rule, linear, norm
 from .base import SHAPE, Family, flag, integer, mapping, need, number, refuse, text
 
 
-def _rope_theta(hf: dict, where: str) -> float:
+def _rope(hf: dict, where: str) -> dict:
+    """rope_base, and rope_scaling with its factor: unscaled, or linear (position interpolation)."""
     params, scaling = mapping(hf, "rope_parameters", where), mapping(hf, "rope_scaling", where)
     kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if kind != "default":
-        raise refuse(where, "rope_scaling", kind, "blockformer imports unscaled rope only")
+    if kind not in ("default", "linear"):
+        raise refuse(where, "rope_scaling", kind, "blockformer imports unscaled or linear rope")
     if "rope_theta" in params:
-        return number(params, "rope_theta", f"{where}: rope_parameters", 10000.0)
-    return number(hf, "rope_theta", where, 10000.0)
+        base = number(params, "rope_theta", f"{where}: rope_parameters", 10000.0)
+    else:
+        base = number(hf, "rope_theta", where, 10000.0)
+    if kind == "default":
+        return {"rope_base": base}
+    factor = number(params if "factor" in params else scaling, "factor", f"{where}: rope_scaling", 1.0)
+    return {"rope_base": base, "rope_scaling": "linear", "rope_scaling_factor": factor}
 
 
 def config_from_hf(hf: dict, has, where: str) -> TransformerConfig:
@@ -33,25 +41,32 @@ def config_from_hf(hf: dict, has, where: str) -> TransformerConfig:
     if integer(hf, "head_dim", where, None) not in (None, d_model // n_heads):
         raise refuse(where, "head_dim", hf["head_dim"], f"blockformer's head size is hidden_size / heads = {d_model // n_heads}")
     window, max_len = integer(hf, "sliding_window", where, None), need(hf, "max_position_embeddings", where)
-    if window is not None and flag(hf, "use_sliding_window", where, True) and window < max_len:
-        raise refuse(where, "sliding_window", window, "blockformer attends to the whole prefix")
+    windowed = window is not None and flag(hf, "use_sliding_window", where, True) and window < max_len
     return TransformerConfig(
         arch="decoder", vocab_size=need(hf, "vocab_size", where), d_model=d_model,
         n_layers=need(hf, "num_hidden_layers", where), n_heads=n_heads,
         n_kv_heads=integer(hf, "num_key_value_heads", where, n_heads), d_ff=need(hf, "intermediate_size", where),
         max_seq_len=max_len, norm="rms", norm_eps=number(hf, "rms_norm_eps", where, 1e-6), norm_position="pre",
-        ffn="swiglu", position="rope", rope_base=_rope_theta(hf, where), bias=bias,
+        ffn="swiglu", position="rope", **_rope(hf, where), bias=bias,
         tie_embeddings=flag(hf, "tie_word_embeddings", where, False), scale_embeddings=False,
+        attention_window=window if windowed else 0,
     )
 
 
 def config_to_hf(cfg: TransformerConfig, ids: dict[str, int]) -> dict:
+    # "ntk" scaling is a static change of base; "linear" is transformers' linear rope type.
+    base, rope = rope_base_of(cfg), {"rope_type": "default"}
+    if cfg.rope_scaling == "linear":
+        base, rope = cfg.rope_base, {"rope_type": "linear", "factor": cfg.rope_scaling_factor}
+    kind = "mistral" if cfg.attention_window else "llama"  # Mistral's sliding window is blockformer's window
     return {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
+        "model_type": kind, "architectures": [f"{kind.capitalize()}ForCausalLM"], "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
-        "rope_theta": cfg.rope_base, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+        "rope_theta": base, "rope_parameters": {**rope, "rope_theta": base},
+        **({"rope_scaling": rope} if cfg.rope_scaling == "linear" else {}),
+        **({"sliding_window": cfg.attention_window} if cfg.attention_window else {}),
         "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.attention_dropout,
         "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": ids["bos"], "eos_token_id": ids["eos"],
         "pad_token_id": ids["pad"], "torch_dtype": "float32",
@@ -83,7 +98,8 @@ def ignore(cfg: TransformerConfig) -> list[str]:
 FAMILY = Family(
     name="llama", model_types=("llama", "mistral"),
     signature={"arch": ("decoder",), "position": ("rope",)},
-    mapped=(*SHAPE, "n_kv_heads", "rope_base", "bias", "tie_embeddings"),
+    mapped=(*SHAPE, "n_kv_heads", "rope_base", "rope_scaling", "rope_scaling_factor", "attention_window", "bias",
+            "tie_embeddings"),
     fixed={"rope_interleaved": (False, True), "norm": ("rms",), "norm_position": ("pre",),
            "ffn": ("swiglu",), "scale_embeddings": (False,)},
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, rules=rules,

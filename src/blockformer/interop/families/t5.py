@@ -61,7 +61,8 @@ def config_to_hf(cfg: TransformerConfig, ids: dict[str, int]) -> dict:
         "feed_forward_proj": proj, "tie_word_embeddings": cfg.tie_embeddings,
         "scale_decoder_outputs": cfg.output_scale != 1.0, "dropout_rate": cfg.dropout,
         "is_encoder_decoder": True, "pad_token_id": ids["pad"], "eos_token_id": ids["eos"],
-        "decoder_start_token_id": ids["pad"], "torch_dtype": "float32",
+        "bos_token_id": ids["bos"], "decoder_start_token_id": ids["bos"],  # blockformer's targets start at bos
+        "torch_dtype": "float32",
     }
 
 

@@ -6,6 +6,7 @@ field; and a Hugging Face classifier imports as a checkpoint ``predict`` reads."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -182,7 +183,8 @@ def load_exported(auto, out: Path):
 def test_a_decoder_head_exports_with_equal_logits_at_the_last_real_token(name, task, tmp_path):
     model = decoder_task_model(name, task)
     out = to_hf(model, tmp_path / "hf", labels=LABELS)
-    auto = transformers.AutoModelForTokenClassification if task == "tokens" else transformers.AutoModelForSequenceClassification
+    auto = (transformers.AutoModelForTokenClassification if task == "tokens"
+            else transformers.AutoModelForSequenceClassification)
     hf = load_exported(auto, out)
     assert hf.config.id2label == dict(enumerate(LABELS))
     if task != "tokens":
@@ -239,7 +241,9 @@ def test_bert_sequence_heads_off_the_pooler_are_refused_naming_head_pooling(bert
     body = load_checkpoint(bert_ckpt).model
     message = _refusal(TaskModel(body, SequenceHead(32, 2, pooling)), tmp_path)
     assert message.startswith(f"head.pooling={pooling!r}") and "BertForSequenceClassification" in message
-    assert "head.pooling='pooler'" in message
+    assert "head.pooling='pooler'" in message and "model.pooler=true" not in message  # this body has one
+    without = build_model(dataclasses.replace(body.cfg, pooler=False))
+    assert "with model.pooler=true" in _refusal(TaskModel(without, SequenceHead(32, 2, pooling)), tmp_path)
 
 
 def test_decoder_heads_with_a_bias_or_another_pooling_are_refused_naming_the_field(tmp_path):

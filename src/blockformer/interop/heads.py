@@ -3,15 +3,12 @@ or ``TokenHead``) is Hugging Face's ``...ForSequenceClassification`` or
 ``...ForTokenClassification``, where the family's head computes the same thing.
 
 Per family (``LAYOUTS``): the class name, the linear layer's tensor name, whether it has a
-bias, and what the sequence head pools:
+bias, and what the sequence head pools::
 
-======  ==============================================  ==========================
-family  sequence head                                   token head
-======  ==============================================  ==========================
-bert    ``pooler`` (dense + tanh on [CLS]) -> classifier  output -> ``classifier``
-gpt2    ``score`` at the last non-pad token, no bias      output -> ``classifier``
-llama   ``score`` at the last non-pad token, no bias      output -> ``score``
-======  ==============================================  ==========================
+    family  sequence head                                       token head
+    bert    pooler (dense + tanh on [CLS]) -> classifier        each position -> classifier
+    gpt2    score (no bias) at the last non-pad token           each position -> classifier
+    llama   score (no bias) at the last non-pad token           each position -> score
 
 A head that computes something else (``cls`` or ``mean`` pooling for BERT, whose classifier
 always reads the pooler; a decoder head with a non-zero bias) is refused naming the field.
@@ -84,12 +81,15 @@ def export_head(model: TaskModel, family: str, labels: Sequence[str] | None, ten
         raise UsageError(f"head.task={task!r} has no counterpart in Hugging Face {family} here; expected a "
                          f"{', '.join(LAYOUTS)} body")
     if task == "tokens":
-        cls, layer, bias, drop = layout.name + TOKENS, layout.tokens, True, layout.lm_tensors + layout.pooler_tensors
+        drop = layout.lm_tensors + layout.pooler_tensors
+        cls, layer, bias = layout.name + TOKENS, layout.tokens, True
     else:
         cls, layer, bias, drop = layout.name + SEQUENCE, layout.sequence, layout.sequence_bias, layout.lm_tensors
         if head.pooling != layout.pooling:
+            no_pooler = layout.pooling == "pooler" and not model.cfg.pooler
+            needs = " (with model.pooler=true: the body has none)" if no_pooler else ""
             raise UsageError(f"head.pooling={head.pooling!r} has no counterpart in Hugging Face {cls}, which "
-                             f"classifies {READS[layout.pooling]}; expected head.pooling={layout.pooling!r}")
+                             f"classifies {READS[layout.pooling]}; expected head.pooling={layout.pooling!r}{needs}")
         if layout.pooling == "pooler" and not any(k.startswith(layout.pooler_tensors) for k in tensors):
             raise UsageError(f"model.pooler=False: Hugging Face {cls} needs the body's pooler; expected "
                              f"model.pooler=true")

@@ -257,6 +257,14 @@ def test_decoder_heads_with_a_bias_or_another_pooling_are_refused_naming_the_fie
     assert "score.bias" not in load_file(str(to_hf(zero_bias, tmp_path / "zero") / "model.safetensors"))
 
 
+def test_labels_that_do_not_name_every_output_once_are_refused_naming_labels(tmp_path):
+    model = decoder_task_model("gpt2")
+    assert _refusal(model, tmp_path, labels=["a", "b"]).startswith("labels: 2 names (2 distinct) for a head of 3")
+    assert _refusal(model, tmp_path, labels=["a", "a", "b"]).startswith("labels: 3 names (2 distinct)")
+    assert json.loads((to_hf(model, tmp_path / "plain") / "config.json").read_text())["id2label"] == {
+        "0": "LABEL_0", "1": "LABEL_1", "2": "LABEL_2"}  # none given: Hugging Face's own names
+
+
 def test_a_head_on_a_family_without_one_is_refused_naming_head_task(tmp_path):
     t5 = TransformerConfig(arch="encoder-decoder", position="relative", norm="rms", bias=False, vocab_size=60,
                            d_model=32, n_layers=2, n_heads=4, attention_scale=1.0, ffn="relu")

@@ -66,7 +66,12 @@ def head_task(head: nn.Module) -> str:
 
 def label_names(labels: Sequence[str] | None, n: int) -> list[str]:
     """The run's label names, or Hugging Face's ``LABEL_i`` where there are none (regression)."""
-    return list(labels) if labels and len(labels) == n else [f"LABEL_{i}" for i in range(n)]
+    if not labels:
+        return [f"LABEL_{i}" for i in range(n)]
+    if len(labels) != n or len(set(labels)) != n:
+        raise UsageError(f"labels: {len(labels)} names ({len(set(labels))} distinct) for a head of {n} outputs; "
+                         f"expected {n} distinct names")
+    return [str(name) for name in labels]
 
 
 @torch.no_grad()

@@ -59,6 +59,20 @@ def _randomize(model):
     return model.eval()
 
 
+def right_padded(pad_id: int, vocab_size: int = 60) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(4, vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, 6:] = mask[2, 3:] = False
+    ids[~mask] = pad_id  # right padding, as blockformer batches
+    return ids, mask
+
+
+def load_exported(auto, out: Path):
+    hf, info = auto.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]  # every tensor where the class wants it
+    return hf.eval()
+
+
 def bert_config(**kw):
     return transformers.BertConfig(vocab_size=45, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                    intermediate_size=48, max_position_embeddings=64, **kw)
@@ -118,6 +132,18 @@ def test_a_bert_classifier_on_the_pooler_gives_pipelines_its_labels_and_probabil
             assert abs(d["score"] - record["probs"][d["label"]]) <= ATOL
 
 
+def test_a_lora_classifier_exports_with_its_adapters_merged(bert_ckpt, tmp_path):
+    ckpt = fine_tune(bert_ckpt, tmp_path, "classify", "head.pooling=pooler", "lora.rank=2", "train.lr=5e-2")
+    assert (ckpt / "adapter.safetensors").is_file() and not (ckpt / "model.safetensors").is_file()
+    loaded = load_checkpoint(ckpt)
+    hf = load_exported(transformers.AutoModelForSequenceClassification, to_hf(ckpt, tmp_path / "hf"))
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        theirs = hf(**tok(TEXTS, return_tensors="pt", padding=True)).logits.softmax(-1)
+    ours = torch.tensor([[r["probs"][n] for n in loaded.config.head.labels] for r in predict(loaded, TEXTS)])
+    torch.testing.assert_close(theirs, ours, atol=ATOL, rtol=0)
+
+
 def test_a_bert_token_classifier_gives_the_same_probabilities_per_token(bert_ckpt, tmp_path):
     ckpt = fine_tune(bert_ckpt, tmp_path, "tokens")
     out = to_hf(ckpt, tmp_path / "hf")
@@ -162,20 +188,6 @@ def decoder_task_model(name: str, task: str = "classify", pooling: str = "last",
     if head.proj.bias is not None and task == "tokens":
         torch.nn.init.normal_(head.proj.bias, 0, 0.5)
     return TaskModel(body, head).eval()
-
-
-def right_padded(pad_id: int, vocab_size: int = 60) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(4, vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    mask[1, 6:] = mask[2, 3:] = False
-    ids[~mask] = pad_id  # right padding, as blockformer batches
-    return ids, mask
-
-
-def load_exported(auto, out: Path):
-    hf, info = auto.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]  # every tensor where the class wants it
-    return hf.eval()
 
 
 @pytest.mark.parametrize("name", list(DECODERS))

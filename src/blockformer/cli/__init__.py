@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "predict": ("predict", "labels and probabilities for texts from a task-head checkpoint"),
     "info": ("info", "parameters, FLOPs per token and memory for a checkpoint or preset"),
     "average": ("average", "average the weights of several checkpoints"),
-    "convert": ("convert", "import a Hugging Face checkpoint (--from-hf) or export one (--to-hf)"),
+    "convert": ("convert", "Hugging Face checkpoints in (--from-hf) and out (--to-hf); PEFT adapters (--to-peft, --from-peft)"),
     "probe": ("probe", "run one of the seed's claims as an experiment (toy, equivariance, ...)"),
     "sweep": ("sweep", "train a grid of sizes x token budgets and fit scaling laws to it"),
     "view": ("view", "a local web view of runs (live curves, configs), attention, next tokens; --export DIR"),

@@ -34,11 +34,17 @@ BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 
 def read_hf_config(directory: Path) -> dict[str, Any]:
     """The parsed ``config.json`` of a Hugging Face model directory."""
+    return read_json_object(directory, CONFIG, "a Hugging Face model directory")
+
+
+def read_json_object(directory: Path, name: str, what: str) -> dict[str, Any]:
+    """``directory / name`` parsed as a JSON object; each failure one line naming the path and
+    ``what`` the directory should be (``a Hugging Face model directory``)."""
     if not directory.is_dir():
-        raise UsageError(f"{directory}: not a directory; expected a Hugging Face model directory")
-    file = directory / CONFIG
+        raise UsageError(f"{directory}: not a directory; expected {what}")
+    file = directory / name
     if not file.is_file():
-        raise UsageError(f"{file}: not found; expected a Hugging Face model directory with {CONFIG}")
+        raise UsageError(f"{file}: not found; expected {what} with {name}")
     try:
         data = loads_json(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

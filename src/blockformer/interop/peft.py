@@ -43,9 +43,9 @@ from ..models.checks import kind_of
 from ..models.heads import TaskModel
 from ..nn.lora import LORA_TARGETS, LoRALinear, lora_layers, lora_parts
 from ..paths import TMP_TAG
-from ..textformats import loads_json
 from .convert import Imported, check_target, from_hf
 from .families import Family, family_for_config
+from .hf_dir import read_json_object
 from .rules import Rule
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -265,17 +265,7 @@ def read_adapter_config(directory: Path) -> dict[str, Any]:
     """A PEFT ``adapter_config.json``, refused (naming the field) where blockformer's LoRA
     has no counterpart."""
     file = directory / ADAPTER_CONFIG
-    if not directory.is_dir():
-        raise UsageError(f"{directory}: not a directory; expected a PEFT adapter directory ({ADAPTER_CONFIG} + "
-                         f"{ADAPTER_WEIGHTS})")
-    if not file.is_file():
-        raise UsageError(f"{file}: not found; expected a PEFT adapter directory ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS})")
-    try:
-        cfg = loads_json(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise UsageError(f"{file}: expected a JSON object")
+    cfg = read_json_object(directory, ADAPTER_CONFIG, f"a PEFT adapter directory ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS})")
     if cfg.get("peft_type") != "LORA":
         raise UsageError(f"{file}: peft_type={cfg.get('peft_type')!r}; expected 'LORA'")
     for key in _OFF:

@@ -10,6 +10,7 @@ as transformers names them (``model-00001-of-00003.safetensors``) with their ind
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -17,7 +18,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -219,16 +220,11 @@ def write_hf_dir(directory: Path, config: dict[str, Any], tensors: dict[str, tor
                  files: dict[str, str] | None = None, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
     """Write ``config.json``, the tensors as they are (contiguous) in ``model.safetensors`` or,
     when they pass ``max_shard_size``, in shards with ``model.safetensors.index.json``, and
-    ``files`` (name -> text) as ``directory``, replacing whatever was there: they are written
-    beside it under a temporary name and renamed into place, so a failure leaves it as it was."""
+    ``files`` (name -> text) as ``directory``, replacing whatever was there (``staged``)."""
     import safetensors.torch
 
     max_bytes = parse_size(max_shard_size)
-    tmp = directory.parent / f".{directory.name}{TMP_TAG}{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.mkdir()
+    with staged(directory) as tmp:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         owned = {k: v.detach().contiguous().clone() for k, v in tensors.items()}  # no shared storage
         weight_map = shard_names(owned, max_bytes)
@@ -242,6 +238,19 @@ def write_hf_dir(directory: Path, config: dict[str, Any], tensors: dict[str, tor
             (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         for name, text in (files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
+
+
+@contextlib.contextmanager
+def staged(directory: Path) -> Iterator[Path]:
+    """A temporary directory beside ``directory`` to write into; on success it replaces
+    ``directory`` whole (one rename), on any failure it is removed and ``directory`` stays as
+    it was."""
+    tmp = directory.parent / f".{directory.name}{TMP_TAG}{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.mkdir()
+        yield tmp
         if directory.is_symlink() or directory.exists():
             discard(directory)
         os.replace(tmp, directory)

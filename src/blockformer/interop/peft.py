@@ -25,9 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
-import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,10 +40,9 @@ from ..errors import UsageError
 from ..models.checks import kind_of
 from ..models.heads import TaskModel
 from ..nn.lora import LORA_TARGETS, LoRALinear, lora_layers, lora_parts
-from ..paths import TMP_TAG
 from .convert import Imported, check_target, from_hf
 from .families import Family, family_for_config
-from .hf_dir import read_json_object
+from .hf_dir import read_json_object, staged
 from .rules import Rule
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -241,23 +238,11 @@ def _load_unmerged(path: Path) -> tuple[nn.Module, str]:
 
 def _write_dir(out: Path, files: dict[str, str], tensors: dict[str, torch.Tensor]) -> None:
     """``out`` written whole beside itself and renamed into place (replacing what was there)."""
-    from ..train.checkpoint import discard  # noqa: PLC0415
-
-    tmp = out.parent / f".{out.name}{TMP_TAG}{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.mkdir()
+    with staged(out) as tmp:
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
         safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / ADAPTER_WEIGHTS),
                                     metadata={"format": "pt"})
-        if out.is_symlink() or out.exists():
-            discard(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # ---------------------------------------------------------------------- import

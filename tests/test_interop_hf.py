@@ -42,6 +42,13 @@ def save_hf(model, directory: Path, **tokenizer_kw) -> Path:
     return directory
 
 
+def round_trip(hf, tmp_path: Path, auto):
+    """``hf`` saved, imported, exported again to ``tmp_path / "out"`` and loaded with ``auto``."""
+    imported = from_hf(save_hf(hf, tmp_path / "in"))
+    to_hf(imported.model, tmp_path / "out", tokenizer=imported.tokenizer)
+    return imported, auto.from_pretrained(tmp_path / "out").eval()
+
+
 def ours(imported, hf_ids: torch.Tensor) -> torch.Tensor:
     """Hugging Face ids -> blockformer ids (the tokenizer's specials moved to 0-3)."""
     return torch.as_tensor(np.argsort(imported.vocab.order))[hf_ids]
@@ -126,9 +133,8 @@ def theirs_ids(imported, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(DECODERS))
 def test_decoder_export_loads_in_transformers_with_equal_logits(name, tmp_path):
     hf = _randomize(DECODERS[name]())
-    imported = from_hf(save_hf(hf, tmp_path / "in"))
-    out = to_hf(imported.model, tmp_path / "out", tokenizer=imported.tokenizer)
-    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    imported, back = round_trip(hf, tmp_path, transformers.AutoModelForCausalLM)
+    out = tmp_path / "out"
     ids, mask = random_batch(1)
     with torch.no_grad():
         want = hf(ids, attention_mask=mask.long()).logits
@@ -164,9 +170,7 @@ def test_bert_import_matches_mlm_logits_hidden_states_and_pooler(kind, tmp_path)
 
 def test_bert_export_loads_as_masked_lm_with_equal_logits(tmp_path):
     hf = _randomize(transformers.BertForMaskedLM(bert_config(hidden_act="gelu_new")))
-    imported = from_hf(save_hf(hf, tmp_path / "in"))
-    back = transformers.AutoModelForMaskedLM.from_pretrained(to_hf(imported.model, tmp_path / "out",
-                                                                   tokenizer=imported.tokenizer)).eval()
+    imported, back = round_trip(hf, tmp_path, transformers.AutoModelForMaskedLM)
     ids, mask = random_batch(3)
     with torch.no_grad():
         want, got = hf(ids, attention_mask=mask.long()).logits, back(ids, attention_mask=mask.long()).logits
@@ -229,9 +233,7 @@ def test_encoder_decoder_import_matches_logits_and_cached_greedy_decoding(name, 
 @pytest.mark.parametrize("name", list(SEQ2SEQ))
 def test_encoder_decoder_export_loads_in_transformers_with_equal_logits(name, tmp_path):
     hf = _randomize_seq2seq(SEQ2SEQ[name]())
-    imported = from_hf(save_hf(hf, tmp_path / "in"))
-    out = to_hf(imported.model, tmp_path / "out", tokenizer=imported.tokenizer)
-    back = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    imported, back = round_trip(hf, tmp_path, transformers.AutoModelForSeq2SeqLM)
     src, src_mask = random_batch(6)
     tgt = torch.randint(12, V, (3, 6), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -297,9 +299,7 @@ def test_an_exported_encoder_decoder_generates_as_blockformer_under_transformers
     """``generate()`` with nothing but the exported files (config.json, generation_config.json)
     starts from the token blockformer trains targets from and gives blockformer's greedy output."""
     hf = _randomize_seq2seq(SEQ2SEQ[name]())
-    imported = from_hf(save_hf(hf, tmp_path / "in"))
-    out = to_hf(imported.model, tmp_path / "out", tokenizer=imported.tokenizer)
-    back = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    imported, back = round_trip(hf, tmp_path, transformers.AutoModelForSeq2SeqLM)
     src, src_mask = random_batch(9)
     with torch.no_grad():
         theirs = back.generate(src, attention_mask=src_mask.long())  # the exported defaults, nothing else

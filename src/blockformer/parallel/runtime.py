@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..run_config import RunConfig, TrainConfig
+from . import meta
 from .activation import apply_activation_checkpointing
 from .checkpoint import load_optimizer_state, load_sharded, save_sharded
 from .data import shard_batch
@@ -260,6 +261,7 @@ def parallelize(
     ``cfg.train`` (the loop's, with ``precision = "auto"`` resolved)."""
     tc = train or cfg.train
     if par is None or not par.parallel:
+        _materialize(model, getattr(par, "device", "cpu"))
         apply_activation_checkpointing(model, tc.activation_checkpointing)
         return model, model  # one process: the loop compiles model + loss together (train.compile)
     d, pc = par.degrees, cfg.parallel
@@ -280,10 +282,17 @@ def parallelize(
         dims = ("dp_replicate", "dp_shard") if d.dp_replicate > 1 else ("dp_shard",)
         apply_fsdp(model, par.mesh[dims], tc.precision, roots)
     elif d.dp_replicate > 1:
+        _materialize(model, par.device, par.rows)  # DDP broadcasts real weights when it wraps
         fwd_model = apply_ddp(model, par.mesh["dp_replicate"])
+    _materialize(model, par.device, par.rows)  # built on meta: now each rank's shards, filled in
     if d.pp > 1:
         par.pipeline = Pipeline(par, model, pc.pp_schedule, n_micro)
     return model, fwd_model
+
+
+def _materialize(model: nn.Module, device: Any, rows: RowOrder | None = None) -> None:
+    if meta.pending(model):
+        meta.materialize(model, device, rows)
 
 
 def check_microbatches(rows: int, n_micro: int) -> None:

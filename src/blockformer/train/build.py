@@ -17,6 +17,7 @@ from ..models.embedding import Embedding
 from ..models.heads import TaskModel, build_head
 from ..models.inputs import InputAdapter
 from ..nn.lora import LORA_MARK, apply_lora
+from ..parallel.meta import build_on_meta
 from ..run_config import RunConfig
 from .adapter import HEAD
 
@@ -45,26 +46,33 @@ def body_pooler(cfg: RunConfig, body: nn.Module):
     return body.pool
 
 
-def build_run_model(cfg: RunConfig, *, seed: int | None = None) -> nn.Module:
+def build_run_model(cfg: RunConfig, *, seed: int | None = None, meta: bool = False) -> nn.Module:
     """Body, task head, adapters and frozen parts of ``cfg``'s model, freshly initialised
-    (from ``seed`` when given, without touching the global random stream)."""
+    (from ``seed`` when given, without touching the global random stream). ``meta``: built
+    on the meta device, its init recorded for ``parallel.meta.materialize`` to replay into
+    each rank's shards (the same weights)."""
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
-        model = build_model(cfg.model)
-        if cfg.head.task != "none":
-            n_out = 1 if cfg.head.task == "regress" else len(cfg.head.labels)
-            if n_out < 1:
-                raise UsageError(f"head.labels: empty; expected the labels of head.task={cfg.head.task!r}")
-            model = TaskModel(model, build_head(cfg.head.task, cfg.model.d_model, n_out, pooling_for(cfg),
-                                                cfg.head.dropout, bias=cfg.head.bias, pooler=body_pooler(cfg, model)))
-        if cfg.lora.rank > 0:
-            if not cfg.train.init_from:
-                raise UsageError("lora.rank: adapters adapt a trained model; expected train.init_from=CKPT "
-                                 "(blockformer train --init-from CKPT)")
-            apply_lora(model, cfg.lora)  # shares the base's Parameters: their names do not change
-            for name, p in model.named_parameters():  # adapters, and a task head, train
-                p.requires_grad_(LORA_MARK in name or (isinstance(model, TaskModel) and name.startswith(HEAD)))
+        return build_on_meta(lambda: _build(cfg)) if meta else _build(cfg)
+
+
+def _build(cfg: RunConfig) -> nn.Module:
+    """The model of ``cfg`` from the current random stream."""
+    model = build_model(cfg.model)
+    if cfg.head.task != "none":
+        n_out = 1 if cfg.head.task == "regress" else len(cfg.head.labels)
+        if n_out < 1:
+            raise UsageError(f"head.labels: empty; expected the labels of head.task={cfg.head.task!r}")
+        model = TaskModel(model, build_head(cfg.head.task, cfg.model.d_model, n_out, pooling_for(cfg),
+                                            cfg.head.dropout, bias=cfg.head.bias, pooler=body_pooler(cfg, model)))
+    if cfg.lora.rank > 0:
+        if not cfg.train.init_from:
+            raise UsageError("lora.rank: adapters adapt a trained model; expected train.init_from=CKPT "
+                             "(blockformer train --init-from CKPT)")
+        apply_lora(model, cfg.lora)  # shares the base's Parameters: their names do not change
+        for name, p in model.named_parameters():  # adapters, and a task head, train
+            p.requires_grad_(LORA_MARK in name or (isinstance(model, TaskModel) and name.startswith(HEAD)))
     freeze(model, cfg.train.freeze)
     return model
 

@@ -39,6 +39,7 @@ from .. import parallel
 from ..errors import UsageError
 from ..models import training_metrics
 from ..parallel.checkpoint import full_optimizer_state
+from ..parallel.meta import wanted as meta_init_wanted
 from ..paths import replace_file
 from ..precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
 from ..run_config import RunConfig
@@ -192,7 +193,7 @@ def _start(cfg: RunConfig, run_dir: Path, runtime: Any, *, resume, overwrite: bo
         state = load_trainer_state(resume)
     else:
         torch.manual_seed(tc.seed)
-    built = build_run(cfg, device, tokenizer_from=resume, log=log)
+    built = build_run(cfg, device, tokenizer_from=resume, log=log, meta=meta_init_wanted(cfg, runtime, resume))
     cfg = built.config  # model.vocab_size now set
     full_optim = _read_checkpoint(built.model, cfg, runtime, resume, state, device)
     model, fwd_model = parallel.parallelize(built.model, cfg, runtime, tc)  # model: this rank's parameters

@@ -31,6 +31,7 @@ from .arrays import ArrayHead, ImageToText
 from .checkpoint import load_tokenizer_for, read_config
 from .classify import TaskHead
 from .compile import resolve_compile
+from .build import build_run_model
 from .finetune import build_model_for
 from .mlm import MaskedLM
 from .objective import LanguageModelling, Objective, Seq2Seq
@@ -55,16 +56,21 @@ class Run:
 
 
 def build_run(
-    cfg: RunConfig, device: torch.device, *, tokenizer_from: str | Path | None = None, log: Any = print
+    cfg: RunConfig, device: torch.device, *, tokenizer_from: str | Path | None = None, log: Any = print,
+    meta: bool = False,
 ) -> Run:
-    """Tokenizer (trained, or the checkpoint's when resuming), model and objective for ``cfg``."""
+    """Tokenizer (trained, or the checkpoint's when resuming), model and objective for ``cfg``;
+    ``meta``: the model on the meta device (``parallel.meta``), for a sharded run to fill in."""
     source = tokenizer_from or cfg.train.init_from or None  # fine-tuning keeps the base's tokenizer
     keep = None if source is None else lambda: load_tokenizer_for(source, read_config(source).model.vocab_size)
     task = describe_task(cfg, tokenizer_from=keep)
     cfg = task.config
     check_run_fits(cfg, device, make_task_for)  # estimated from arithmetic: refused before anything is built
-    model = build_model_for(cfg, seed=cfg.train.seed, device=device, log=log,
-                            load_init=tokenizer_from is None)  # resuming loads all the weights next
+    if meta:  # a sharded run: built on the meta device, each rank's shards filled in by parallelize
+        model = build_run_model(cfg, seed=cfg.train.seed, meta=True)
+    else:
+        model = build_model_for(cfg, seed=cfg.train.seed, device=device, log=log,
+                                load_init=tokenizer_from is None)  # resuming loads all the weights next
     return Run(config=cfg, tokenizer=task.tokenizer, model=model, objective=objective_of(task, device, log))
 
 

@@ -7,14 +7,26 @@ one unit so only one block's full weights exist at a time, then the embeddings a
 then the root for what is left. With ``dp_replicate > 1`` too the mesh is 2-D (HSDP):
 sharded within a group, replicated across groups. DDP (plain replicas, gradients
 all-reduced) is used when nothing is sharded and there is no tensor parallelism.
+
+Under gradient accumulation only the last micro-batch's backward communicates
+(``gradient_sync``): the earlier ones accumulate unsharded gradients locally, so a step
+makes one reduce-scatter per FSDP unit (one bucketed all-reduce pass under DDP) instead of
+one per micro-batch. The price is memory: between the first and the last backward each rank
+holds the unsharded gradients of every unit (the whole model's, in fp32), where syncing
+every micro-batch (torchtitan's default) holds only its shard. The weights are still
+resharded after each backward (``set_reshard_after_backward`` is left on): keeping them
+whole too would save the next forward's all-gather at the cost of the model's full weights.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from ..precision import DTYPES
 
@@ -60,3 +72,22 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     device = next(model.parameters()).device
     ids = [device.index] if device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=ids, device_mesh=mesh)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """The forward and backward inside reduce gradients across the data-parallel ranks only
+    when ``enabled`` (the last micro-batch of a step); otherwise they accumulate locally. FSDP2
+    reads its flag at backward time, DDP at forward time; a plain module (one process, TP
+    alone) has nothing to sync."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)  # recurses into every unit
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    elif isinstance(model, nn.parallel.DistributedDataParallel) and not enabled:
+        with model.no_sync():
+            yield
+    else:
+        yield

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ..run_config import RunConfig, TrainConfig
 from . import meta
@@ -194,15 +195,25 @@ class Parallel:
         return t
 
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        """Clip by the norm of all gradients of the model, whatever shard each rank holds."""
+        """Clip by the norm of all gradients of the model, whatever shard each rank holds, for
+        one all-reduce over every rank (torchtitan's ``clip_grad_norm_`` reduces once too): each
+        rank adds the squares of its local shards, each divided by the number of ranks that hold
+        that same shard (a weight replicated over tp or dp_replicate counts once; each pipeline
+        stage has its own)."""
+        _sum_partial_grads(params)
         squares = torch.zeros((), device=self.device, dtype=torch.float32)
+        by_copies: dict[int, list[torch.Tensor]] = {}
         for p in params:
             if p.grad is None:
                 continue
-            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
-            squares += sq.full_tensor() if isinstance(sq, DTensor) else sq
-        if self.degrees.pp > 1:  # each stage holds different parameters
-            dist.all_reduce(squares, group=self.mesh["pp"].get_group())
+            g, shards = p.grad, 1
+            if isinstance(g, DTensor):
+                shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
+                g = g.to_local()
+            by_copies.setdefault(self.world_size // (self.degrees.pp * shards), []).append(g)
+        for copies, local in by_copies.items():
+            squares += torch.nn.utils.get_total_norm(local).float().square() / copies
+        dist.all_reduce(squares)
         total = squares.sqrt()
         groups: dict[Any, list[torch.Tensor]] = {}  # one fused multiply per mesh (FSDP x TP mixes 1-D and 2-D)
         for p in params:
@@ -230,6 +241,31 @@ class Parallel:
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _sum_partial_grads(params: list[torch.Tensor]) -> None:
+    """Under sequence parallelism a replicated weight (a norm's gain) gets a ``Partial`` gradient,
+    each tp rank's share of the sum. Sum them in place, one all-reduce per mesh for all of them,
+    so that neither the norm nor AdamW reduces each gradient on its own."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            groups.setdefault((g.device_mesh, tuple(g.placements)), []).append(p)
+    for (mesh, placements), group in groups.items():
+        if any(pl.is_partial() and pl.reduce_op != "sum" for pl in placements):
+            for p in group:
+                p.grad = p.grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in placements])
+            continue
+        local = [p.grad.to_local() for p in group]
+        flat = torch.cat([t.reshape(-1) for t in local])
+        for i, pl in enumerate(placements):
+            if pl.is_partial():
+                dist.all_reduce(flat, group=mesh.get_group(i))
+        summed = [Replicate() if pl.is_partial() else pl for pl in placements]
+        for p, t, part in zip(group, local, flat.split([t.numel() for t in local])):
+            p.grad = DTensor.from_local(part.view_as(t), mesh, summed, run_check=False,
+                                        shape=p.grad.shape, stride=p.grad.stride())
 
 
 def start(cfg: RunConfig, device: torch.device) -> Local | Parallel:

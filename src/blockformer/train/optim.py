@@ -52,14 +52,20 @@ def build_optimizer(
     Neither waits for the device during a step. ``lr_scale``: a parameter name's multiplier
     of ``cfg.lr`` (fine-tuning)."""
     params = list(model.parameters())
-    # Parallel runs (DTensor parameters) take the per-tensor path: the fused and foreach
-    # kernels refuse plain tensors mixed with DTensors, which TP's replicated parameters and
-    # optimizer state loaded across layouts produce.
-    if any(isinstance(p, DTensor) for p in params):
-        kind = {}
-    else:
-        kind = {"fused": True} if fused_available(params[0].device) else {"foreach": True}
     groups = param_groups(model, cfg.weight_decay, lr_scale, cfg.lr)
+    kind = {"fused": True} if fused_available(params[0].device) else {"foreach": True}
+    # DTensor parameters (FSDP2, TP) take the same kernels: torch 2.13 runs _fused_adamw_
+    # and the _foreach_ ops on DTensors shard by shard, whatever their mesh (FSDP x TP mixes
+    # 1-D and 2-D) or placements, and on CPU/gloo the weights equal the per-tensor path's
+    # (foreach: bit for bit; fused: to 1e-8; tests/test_parallel_comm.py). Not everywhere:
+    # a group mixing plain tensors with DTensors (an MoE FFN that TP leaves whole) takes the
+    # per-tensor path, as both kernels refuse it ("got mixed torch.Tensor and DTensor"), and
+    # fp16 takes foreach, as its GradScaler hands the fused kernel a plain found_inf tensor.
+    if any(isinstance(p, DTensor) for p in params):
+        if any(len({isinstance(p, DTensor) for p in g["params"]}) > 1 for g in groups):
+            kind = {"foreach": False}
+        elif cfg.precision == "fp16":
+            kind = {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kind)
 
 

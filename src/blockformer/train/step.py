@@ -14,6 +14,7 @@ import torch
 
 from ..models.checks import trusted_inputs
 from ..parallel import Local
+from ..parallel.fsdp import gradient_sync
 from ..precision import autocast
 from .compile import LossFn
 from .objective import Objective
@@ -53,11 +54,12 @@ def train_step(
 
 
 def _backward(model, objective, batches, n_targets, scaler, tc, device, runtime, loss_fn) -> torch.Tensor:
-    """Backpropagate each micro-batch's share of the step's loss; returns the summed loss."""
+    """Backpropagate each micro-batch's share of the step's loss; returns the summed loss.
+    Gradients cross the data-parallel ranks once, in the last micro-batch's backward."""
     total = torch.zeros((), device=device)
-    for batch in batches:
+    for i, batch in enumerate(batches):
         local = runtime.local_batch(batch)
-        with runtime.loss_context(tc.label_smoothing):
+        with gradient_sync(model, i == len(batches) - 1), runtime.loss_context(tc.label_smoothing):
             # The run's own tokenizer made these ids (< vocab_size by construction): the models'
             # value checks would read them on the host, a device sync per micro-batch.
             with autocast(tc.precision, device), trusted_inputs():

@@ -1,0 +1,185 @@
+"""Step time of FSDP2 and DDP on 2 gloo processes, before and after issue 26 item 5, in one run:
+gradients reduced on every micro-batch against only the last, and AdamW per-tensor against
+foreach and fused on the DTensor shards.
+
+    python benchmarks/bench_parallel_step.py                  # d_model 256, 4 layers, accumulation 4
+    python benchmarks/bench_parallel_step.py --steps 3 --rounds 1 --d-model 64   # smoke
+
+A byte-level decoder on the stdlib corpus, global batch ``--batch`` rows of ``--seq-len``
+tokens in ``--accum`` micro-batches, one thread per process. The variants are interleaved
+round by round (``--rounds`` x ``--steps`` timed steps each, after one warm-up step), so
+that other load on the machine falls on all of them alike; figures are the median step time
+of rank 0 (from a barrier to the step's loss on the host) and the median AdamW step alone,
+and their ratios to the new path (sync on the last micro-batch, build_optimizer's kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+VARIANTS = [  # name, layout, sync every micro-batch, AdamW kernel (before: and a collective per gradient in the norm)
+    ("FSDP  before: sync every micro-batch, per-tensor AdamW, norm per parameter", "parallel.dp_shard=2", True,
+     "per-tensor"),
+    ("FSDP  sync every micro-batch, per-tensor AdamW", "parallel.dp_shard=2", True, "per-tensor"),
+    ("FSDP  sync last micro-batch,  per-tensor AdamW", "parallel.dp_shard=2", False, "per-tensor"),
+    ("FSDP  sync last micro-batch,  foreach AdamW", "parallel.dp_shard=2", False, "foreach"),
+    ("FSDP  after: sync last micro-batch, fused AdamW", "parallel.dp_shard=2", False, "fused"),
+    ("DDP   sync every micro-batch", "parallel.dp_replicate=2", True, "fused"),
+    ("DDP   sync last micro-batch", "parallel.dp_replicate=2", False, "fused"),
+]
+
+
+def overrides(args) -> list[str]:
+    return [
+        "data.text=stdlib", "data.max_bytes=300000", f"data.seq_len={args.seq_len}", "data.tokenizer=byte",
+        f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
+        f"model.max_seq_len={args.seq_len}", f"train.batch_size={args.batch}", f"train.grad_accum={args.accum}",
+        "train.eval_every=0", "train.progress=false", "train.precision=fp32", f"data.cache_dir={args.cache}",
+    ]
+
+
+def _setup(args, layout: str, kernel: str):
+    import torch  # noqa: PLC0415
+
+    from blockformer import parallel  # noqa: PLC0415
+    from blockformer.run_config import load_run_config  # noqa: PLC0415
+    from blockformer.train.optim import build_optimizer  # noqa: PLC0415
+    from blockformer.train.setup import build_run  # noqa: PLC0415
+
+    cfg = load_run_config(overrides=overrides(args) + [layout])
+    runtime = parallel.start(cfg, torch.device("cpu"))
+    built = build_run(cfg, runtime.device, log=lambda *a: None)
+    model, fwd = parallel.parallelize(built.model, built.config, runtime, cfg.train)
+    optimizer = build_optimizer(model, cfg.train)
+    for group in optimizer.param_groups:
+        group["foreach"], group["fused"] = kernel == "foreach", kernel == "fused"
+    return cfg, runtime, model, fwd, built.objective, optimizer
+
+
+def _norm_per_parameter(runtime):
+    """The gradient norm as it was before item 5: a collective per DTensor gradient."""
+    import torch  # noqa: PLC0415
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    def grad_norm(params, max_norm):
+        squares = torch.zeros(())
+        for p in params:
+            if p.grad is not None:
+                sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+                squares += sq.full_tensor() if isinstance(sq, DTensor) else sq
+        total = squares.sqrt()
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total)
+        return total
+    return grad_norm
+
+
+@contextlib.contextmanager
+def _sync_every(on: bool):
+    from blockformer.train import step as step_module  # noqa: PLC0415
+
+    kept = step_module.gradient_sync
+    if on:
+        step_module.gradient_sync = lambda model, enabled: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        step_module.gradient_sync = kept
+
+
+def _worker(rank: int, args, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from blockformer.train.step import train_step  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    runs = []
+    for i, (name, layout, every, kernel) in enumerate(VARIANTS):
+        cfg, runtime, model, fwd, objective, optimizer = _setup(args, layout, kernel)
+        if i == 0:
+            runtime.grad_norm = _norm_per_parameter(runtime)
+        adamw = optimizer.step
+        runs.append({"name": name, "every": every, "setup": (cfg, runtime, model, fwd, objective, optimizer),
+                     "adamw": adamw, "steps": [], "opt": []})
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+
+    def one_step(run, timed: bool) -> None:
+        cfg, runtime, model, fwd, objective, optimizer = run["setup"]
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt_times = []
+
+        def timed_adamw(*a, **k):
+            t = time.perf_counter()
+            out = run["adamw"](*a, **k)
+            opt_times.append(time.perf_counter() - t)
+            return out
+
+        optimizer.step = timed_adamw
+        batches = [objective.next_batch() for _ in range(cfg.train.grad_accum)]
+        dist.barrier()
+        t0 = time.perf_counter()
+        with _sync_every(run["every"]):
+            loss = train_step(fwd, objective, batches, optimizer, scaler, params, cfg.train, runtime.device,
+                              check_finite=True, runtime=runtime)
+        float(loss)
+        if timed:
+            run["steps"].append(time.perf_counter() - t0)
+            run["opt"].extend(opt_times)
+
+    for run in runs:
+        one_step(run, timed=False)  # optimizer state allocated, first-call costs paid
+    for _ in range(args.rounds):
+        for run in runs:
+            for _ in range(args.steps):
+                one_step(run, timed=True)
+    if rank == 0:
+        med = {r["name"]: (statistics.median(r["steps"]), statistics.median(r["opt"])) for r in runs}
+        print(f"{args.d_model=} {args.layers=} {args.seq_len=} {args.batch=} accum={args.accum}, 2 gloo processes, "
+              f"{args.rounds} rounds x {args.steps} steps per variant, interleaved")
+        print(f"{'variant':76s} {'step ms':>9s} {'AdamW ms':>9s}")
+        for name, (s, o) in med.items():
+            print(f"{name:76s} {1e3 * s:9.1f} {1e3 * o:9.2f}")
+        v = [med[r["name"]] for r in runs]
+        print(f"FSDP norm per parameter / one all-reduce:  step x{v[0][0] / v[1][0]:.2f}")
+        print(f"FSDP sync every / last micro-batch (per-tensor AdamW):  step x{v[1][0] / v[2][0]:.2f}")
+        print(f"FSDP AdamW per-tensor / foreach:  AdamW x{v[2][1] / v[3][1]:.2f}, step x{v[2][0] / v[3][0]:.2f}")
+        print(f"FSDP AdamW per-tensor / fused:  AdamW x{v[2][1] / v[4][1]:.2f}, step x{v[2][0] / v[4][0]:.2f}")
+        print(f"FSDP before / after (all three changes):  step x{v[0][0] / v[4][0]:.2f}")
+        print(f"DDP sync every / last micro-batch:  step x{v[5][0] / v[6][0]:.2f}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--accum", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=4)
+    args = p.parse_args()
+    import torch.multiprocessing as mp  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
+        args.cache = str(Path(tmp) / "cache")
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        mp.start_processes(_worker, args=(args, port), nprocs=2, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from blockformer.config import TransformerConfig
@@ -95,16 +96,21 @@ def _sharded_weights_on_rank(rank: int, tmp: str, layout: str) -> None:
         write_json(Path(tmp) / f"{layout}.json", result)
 
 
-@pytest.mark.parametrize("layout", ["parallel.dp_shard=2", "parallel.tp=2"])
-def test_meta_initialised_shards_gather_to_the_one_process_weights(tmp_path, layout):
-    run_ranks(2, _sharded_weights_on_rank, str(tmp_path), layout)
-    r = read_json(tmp_path / f"{layout}.json")
-    assert r["mismatched"] == []
-    assert r["local"] == r["share"]  # each rank allocated its shards only (the shapes divide evenly here)
-    if layout == "parallel.dp_shard=2":  # FSDP: every parameter split in two
-        assert r["local"] == r["total"] / 2
-    else:  # TP: the matmuls and tables split, the norms whole
-        assert r["total"] / 2 < r["local"] < 0.6 * r["total"]
+def _both_layouts(rank: int, tmp: str) -> None:
+    for layout in ("parallel.dp_shard=2", "parallel.tp=2"):
+        _sharded_weights_on_rank(rank, tmp, layout)
+
+
+def test_meta_initialised_fsdp_and_tp_shards_gather_to_the_one_process_weights(tmp_path):
+    run_ranks(2, _both_layouts, str(tmp_path))
+    for layout in ("parallel.dp_shard=2", "parallel.tp=2"):
+        r = read_json(tmp_path / f"{layout}.json")
+        assert r["mismatched"] == [], layout
+        assert r["local"] == r["share"], layout  # each rank allocated its shards only (shapes divide evenly)
+        if layout == "parallel.dp_shard=2":  # FSDP: every parameter split in two
+            assert r["local"] == r["total"] / 2
+        else:  # TP: the matmuls and tables split, the norms whole
+            assert r["total"] / 2 < r["local"] < 0.6 * r["total"]
 
 
 def _train_both_ways(rank: int, tmp: str) -> None:
@@ -124,6 +130,39 @@ def test_fsdp_training_from_a_meta_build_has_the_losses_of_a_whole_build(tmp_pat
     run_ranks(2, _train_both_ways, str(tmp_path))
     losses = read_json(tmp_path / "losses.json")
     assert len(losses["meta"]) == 3 and losses["meta"] == losses["whole"]  # bit for bit
+
+
+FSDP_X_TP = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn=swiglu",
+             "model.vocab_size=64", "model.tie_embeddings=false", "model.bias=false", "parallel.dp_shard=2",
+             "parallel.tp=2", "train.precision=fp32"]
+
+
+def _simulated_rank(index: int, first: int, tmp: str) -> None:
+    """Rank ``first + index`` of 4 over the fake group, in a process of its own (torch keeps
+    mesh state between groups of one process): its shards, saved."""
+    torch.set_num_threads(1)
+    cfg = load_run_config(overrides=FSDP_X_TP)
+    with meta.fake_group(4, first + index):
+        model, _ = parallelize(build_run_model(cfg, seed=5, meta=True), cfg, start(cfg, torch.device("cpu")))
+        torch.save({name: p.to_local().detach().clone() for name, p in model.named_parameters()},
+                   Path(tmp) / f"rank{first + index}.pt")
+
+
+def test_fsdp_x_tp_shards_of_four_simulated_ranks_hold_the_one_process_values_between_them(tmp_path):
+    """dp_shard 2 x tp 2 (FSDP over TP: 2-D placements) needs 4 ranks; each is simulated over
+    the fake group, two processes at a time. Whatever the placements, the ranks' shards of a
+    parameter hold its one-process values between them, each as often as it is replicated."""
+    for first in (0, 2):
+        mp.start_processes(_simulated_rank, args=(first, str(tmp_path)), nprocs=2, start_method="spawn")
+    ref = dict(build_run_model(load_run_config(overrides=FSDP_X_TP), seed=5).named_parameters())
+    shards = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    assert shards[0].keys() == ref.keys()
+    for name, want in ref.items():
+        parts = [s[name] for s in shards]
+        assert all(part.numel() * 2 <= want.numel() for part in parts), name  # FSDP splits each, TP the matmuls too
+        got = torch.cat([part.flatten() for part in parts]).sort().values
+        copies = got.numel() // want.numel()  # the norms: replicated over tp, sharded over dp
+        assert torch.equal(got, want.detach().flatten().repeat(copies).sort().values), name
 
 
 @pytest.mark.skipif(dist.is_initialized(), reason="a process group is already running in this process")

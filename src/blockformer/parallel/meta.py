@@ -124,7 +124,8 @@ class _Constants(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (torch.tensor, torch.as_tensor) and torch.device(kwargs.get("device") or META) == META:
+        if func in (torch.tensor, torch.as_tensor) and not isinstance(args[0] if args else None, torch.Tensor) \
+                and torch.device(kwargs.get("device") or META) == META:
             return func(*args, **{**kwargs, "device": "cpu"}).to(META)
         return func(*args, **kwargs)
 

@@ -24,8 +24,9 @@ def test_fsdp_over_8_ranks_divides_the_7b_state_by_8():
     mem = p["memory_bytes"]
     assert mem["weights"] == mem["gradients"] == 4 * P_7B / 8 and mem["optimizer"] == 8 * P_7B / 8
     s, b, h, V = 4096, 64 / 8, 4096, 32000
-    # full checkpointing: each block's bf16 input, one block recomputed (10 + 24 = 34 bytes per s*b*h), fp32 logits
-    assert mem["activations"] == pytest.approx(2 * s * b * h * 32 + 34 * s * b * h + 8 * s * b * V)
+    # full checkpointing: each block's bf16 input, one block recomputed, fp32 logits; a block keeps 10 + attention's 8
+    # + the gated FFN's 8 * d_ff / h = 21.5 (Korthikanti's 4h GELU: 16) bf16 bytes per s*b*h
+    assert mem["activations"] == pytest.approx(2 * s * b * h * 32 + (10 + 8 + 21.5) * s * b * h + 8 * s * b * V)
     comm = p["comm_bytes_per_step"]
     assert comm["fsdp_all_gather"] == pytest.approx(2 * 2 * P_7B * 7 / 8)  # bf16, forward and backward
     assert comm["fsdp_reduce_scatter"] == pytest.approx(4 * P_7B * 7 / 8)  # fp32 gradients
@@ -34,10 +35,33 @@ def test_fsdp_over_8_ranks_divides_the_7b_state_by_8():
 def test_tensor_parallel_splits_all_but_the_norms():
     p = plan(load_run_config(preset="llama-7b", overrides=["parallel.tp=2", "train.activation_checkpointing=none"]), 2)
     assert p["parameters_per_rank"] == (P_7B - NORMS_7B) / 2 + NORMS_7B
-    s, b, h = 4096, 64, 4096
-    assert p["memory_bytes"]["activations"] == pytest.approx(32 * s * b * h * (10 + 24 / 2) + 8 * s * b * 32000)
-    # 4 all-reduces of (b, s, h) bf16 per block (2 forward, 2 backward), 1 for the embedding
-    assert p["comm_bytes_per_step"]["tp_all_reduce"] == pytest.approx((4 * 32 + 1) * 2 * b * s * h * 2 * 1 / 2)
+    s, b, h, V = 4096, 64, 4096, 32000
+    # sequence parallel: of the 10 outside the TP matmuls, the 2 sublayer inputs (4) stay gathered, the rest
+    # (6) is split with the 8 + 21.5 inside; loss parallel: the fp32 logits and their gradient split too
+    assert p["memory_bytes"]["activations"] == pytest.approx(32 * s * b * h * (4 + 6 / 2 + (8 + 21.5) / 2) + 8 * s * b * V / 2)
+    comm, stream = p["comm_bytes_per_step"], b * s * h * 2 * 1 / 2  # one bf16 all-gather of the stream on 2 ranks
+    # per sublayer (64) a gather in and a scatter out, forward and backward; the stack's output and input grads
+    assert comm["tp_all_gather"] == comm["tp_reduce_scatter"] == pytest.approx((64 * 2 + 2) * stream)
+    # the embedding's partial sums, and loss parallel's two (b, s) fp32 all-reduces; no logits gathered
+    assert comm["tp_all_reduce"] == pytest.approx(2 * stream + 2 * 2 * b * s * 4 * 1 / 2)
+    assert "tp_logits_all_gather" not in comm
+
+
+def test_the_7b_under_tp_8_plans_what_the_trainer_runs():
+    """Sequence and loss parallelism: full checkpointing keeps sequence shards, logits stay
+    split. Before, the planner described plain TP: 152 GiB per rank."""
+    p = plan(load_run_config(preset="llama-7b", overrides=["parallel.tp=8"]), 8)
+    s, b, h, V = 4096, 64, 4096, 32000
+    sbh = s * b * h
+    assert p["memory_bytes"]["activations"] == pytest.approx(2 * sbh / 8 * 32 + sbh * (4 + 6 / 8 + 29.5 / 8) + 8 * s * b * V / 8)
+    assert p["memory_bytes"]["total"] / GIB == pytest.approx(36.80, abs=0.01)
+    stream = b * s * h * 2 * 7 / 8
+    # full checkpointing: the forward's gather and scatter once more in the backward's recompute
+    assert p["comm_bytes_per_step"]["tp_all_gather"] == pytest.approx((64 * 3 + 2) * stream)
+    smoothed = plan(load_run_config(preset="llama-7b", overrides=["parallel.tp=8", "train.label_smoothing=0.1"]), 8)
+    assert smoothed["comm_bytes_per_step"]["tp_logits_all_gather"] == pytest.approx(b * s * V * 4 * 7 / 8)
+    assert smoothed["memory_bytes"]["activations"] - p["memory_bytes"]["activations"] == pytest.approx(
+        8 * s * b * V * 7 / 8)
 
 
 def test_pipeline_stages_hold_their_blocks():
@@ -61,7 +85,7 @@ def test_info_prints_the_plan(capsys):
     assert main(["info", "--preset", "llama-7b", "--world-size", "8"]) == 0
     text = capsys.readouterr().out
     assert "mesh         8 ranks: pp 1 x dp_replicate 1 x dp_shard 8 x tp 1" in text
-    assert "memory/rank  33.37 GiB: weights 3.14 GiB, gradients 3.14 GiB, AdamW 6.28 GiB" in text
+    assert "memory/rank  34.06 GiB: weights 3.14 GiB, gradients 3.14 GiB, AdamW 6.28 GiB" in text
 
 
 @pytest.mark.parametrize("extra", [

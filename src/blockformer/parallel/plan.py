@@ -12,14 +12,22 @@ Memory per rank, in bytes (``P`` = this rank's parameters after TP and PP):
   has), AdamW moments ``8P / dp_shard``; FSDP also holds one block's gathered weights (in
   the compute dtype) at a time, and the next one prefetched;
 - activations per block, in the compute dtype's bytes ``e`` per value (Korthikanti et al.
-  2022, eq. 2 without sequence parallelism, for ``s`` tokens, ``b`` rows, width ``h``,
-  ``a`` heads): ``e/2 * s*b*h * (10 + 24/tp + 5*a*s/(h*tp))``, the ``5as/h`` term only
-  where attention scores are materialised (ALiBi, relative bias, attention dropout; the
-  flash kernel keeps none); ``full`` checkpointing keeps the block input ``e*s*b*h`` plus
-  one block's activations while it is recomputed; ``selective`` drops the score term.
-  A pipeline stage keeps the activations of the micro-batches in flight: all of them
-  under GPipe, at most ``pp`` under 1F1B. Logits and their gradient: ``8 * s*b*V`` (fp32,
-  gathered over ``tp``).
+  2022, for ``s`` tokens, ``b`` rows, width ``h``, ``a`` heads): ``e/2 * s*b*h * 34`` in
+  all, ``10`` of it outside the tensor-parallel matmuls and ``24`` inside (attention's
+  ``8`` and a ``4h`` GELU FFN's ``16``; an FFN of width ``f`` keeps ``4f/h``, a gated one
+  ``8f/h``: its fused gate/up output, the activation and the product; written ``24`` below), plus
+  ``5*a*s/h`` where attention scores are materialised (ALiBi, relative bias, attention
+  dropout; the flash kernel keeps none). Tensor parallelism splits the ``24`` and the scores
+  over ``tp``; sequence parallelism (always on with ``tp > 1``, ``sequence.py``) splits the
+  ``10`` too, except the two sublayer inputs that autograd keeps gathered for the weight
+  gradients of the column-wise matmuls (``4`` of the ``10``):
+  ``e/2 * s*b*h * (4 + 30/tp + 5*a*s/(h*tp))`` for ``tp > 1`` (eq. 2's ``10 + 24`` at
+  ``tp = 1``). ``full`` checkpointing keeps each block's input ``e*s*b*h`` (``/tp``: it is a
+  sequence shard) plus one block's activations while it is recomputed; ``selective``
+  drops the score term. A pipeline stage keeps the activations of the micro-batches in
+  flight: all of them under GPipe, at most ``pp`` under 1F1B. Logits and their gradient:
+  ``8 * s*b*V`` in fp32, ``/tp`` under loss parallel (``loss.py``: the training loss reads
+  the vocabulary shards; gathered with label smoothing or a pipeline).
 
 Communication per optimizer step, bytes sent per rank (ring collectives move
 ``2(n-1)/n`` of the buffer for an all-reduce and ``(n-1)/n`` for an all-gather or a
@@ -27,9 +35,13 @@ reduce-scatter), repeated for each of the ``grad_accum`` micro-batches:
 - FSDP: all-gather of the weights in forward and again in backward, reduce-scatter of the
   fp32 gradients; HSDP adds an all-reduce of the gradient shards across replicas; DDP an
   all-reduce of the fp32 gradients;
-- TP: two all-reduces of the ``(b, s, h)`` activations per block forward (attention and FFN
-  outputs; three with cross-attention) and two backward, one for the embedding, and the
-  all-gather of the logits;
+- TP with sequence parallelism: per sublayer (two a block, three with cross-attention) an
+  all-gather of the ``(b, s, h)`` stream in and a reduce-scatter out, forward, and the same
+  two backward (the bytes of two all-reduces); ``full`` checkpointing runs the forward's
+  again in the backward's recompute; each stack gathers its output forward (reduce-scatter
+  backward) and its input's gradient; the vocabulary-split embedding all-reduces its output;
+  loss parallel all-reduces two ``(b, s)`` fp32 tensors (max and sum of exponentials) where
+  the logits are not gathered;
 - PP: each stage boundary sends a micro-batch's activations forward and its gradient back.
 """
 
@@ -41,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..config import TransformerConfig
+from ..config import GATED_FFNS, TransformerConfig
 from ..models import build_model
 from ..nn.attention import Attention
 from ..nn.feedforward import FeedForward
@@ -172,19 +184,35 @@ def _activations(m: TransformerConfig, tc: TrainConfig, pc: ParallelConfig, d: D
                  s: int, e: int) -> float:
     """Activation bytes the heaviest rank keeps: its blocks' (as checkpointing leaves them) for
     each micro-batch in flight, and the logits where it holds the head."""
-    b, layers_here = pl.b, pl.layers
-    h, a, V = m.d_model, m.n_heads, m.vocab_size
-    scores = m.position in ("alibi", "relative") or m.attention_dropout > 0
-    per_block = e / 2 * s * b * h * (10 + 24 / d.tp + (5 * a * s / (h * d.tp) if scores else 0))
+    b, layers_here, t = pl.b, pl.layers, d.tp
+    V = m.vocab_size
+    no_scores, per_block = _block_activations(m, d, s, b, e)
     if tc.activation_checkpointing == "full":
-        kept = e * s * b * h * layers_here + per_block
+        kept = e * s * b * m.d_model / t * layers_here + per_block
     elif tc.activation_checkpointing == "selective":
-        kept = e / 2 * s * b * h * (10 + 24 / d.tp) * layers_here
+        kept = no_scores * layers_here
     else:
         kept = per_block * layers_here
     in_flight = 1 if d.pp == 1 else (pl.n_micro if pc.pp_schedule == "gpipe" else min(d.pp, pl.n_micro))
-    logits = 8 * s * b * V if pl.has_head else 0.0
+    logits = 8 * s * b * V / (t if _loss_parallel(tc, d) else 1) if pl.has_head else 0.0
     return kept * in_flight + logits
+
+
+def _block_activations(m: TransformerConfig, d: Degrees, s: int, b: float, e: int) -> tuple[float, float]:
+    """One block's activation bytes for backward, without and with the attention scores."""
+    h, a, t = m.d_model, m.n_heads, d.tp
+    scores = m.position in ("alibi", "relative") or m.attention_dropout > 0
+    # outside the TP matmuls: 10 (sequence parallel: 4 kept gathered, 6 sharded); inside: attention's 8
+    # and the FFN's hidden units (d_ff values a tensor): 2 tensors (4h: Korthikanti's 16), 4 when gated
+    outside = 10 if t == 1 else 4 + 6 / t
+    ffn = 2 * (4 if m.ffn in GATED_FFNS else 2) * (m.expert_d_ff if m.ffn_experts else m.d_ff) / h
+    no_scores = e / 2 * s * b * h * (outside + (8 + ffn) / t)
+    return no_scores, no_scores + (e / 2 * s * b * 5 * a * s / t if scores else 0)
+
+
+def _loss_parallel(tc: TrainConfig, d: Degrees) -> bool:
+    """Whether the training loss reads the logits' vocabulary shards (``loss.py``)."""
+    return d.tp > 1 and d.pp == 1 and tc.label_smoothing == 0
 
 
 def _memory(m: TransformerConfig, tc: TrainConfig, pc: ParallelConfig, c: Counts, d: Degrees, pl: _Pipeline,
@@ -219,15 +247,30 @@ def _communication(m: TransformerConfig, tc: TrainConfig, c: Counts, d: Degrees,
         comm["hsdp_all_reduce"] = 2 * 4 * (P / shard) * _ring(d.dp_replicate) * accum
     elif d.dp_replicate > 1:
         comm["ddp_all_reduce"] = 2 * 4 * P * _ring(d.dp_replicate) * accum
-    if d.tp > 1:  # 2 all-reduces per sublayer (forward, backward), 1 forward for the embedding
-        n_reduce = sum(2 * (3 if c.cross[i] else 2) for i in pl.blocks) + (1 if 0 in pl.stages else 0)
-        comm["tp_all_reduce"] = n_reduce * 2 * b_dp * s * h * e * _ring(d.tp) * accum
-        comm["tp_logits_all_gather"] = (b_dp * s * V * 4 * _ring(d.tp) * accum) if pl.has_head else 0.0
+    if d.tp > 1:
+        stream = b_dp * s * h * e * _ring(d.tp)  # one all-gather or reduce-scatter of the (b, s, h) stream
+        recompute = tc.activation_checkpointing == "full"
+        sublayers = sum(3 if c.cross[i] else 2 for i in pl.blocks)
+        regions = len({_stack_of(c, i) for i in pl.blocks})  # stacks (or stage slices of one) on this rank
+        # per sublayer: gather in + scatter out, forward and backward (+ the forward again under full recompute)
+        per_kind = sublayers * (2 + (1 if recompute else 0)) + regions * 2  # + each region's output and input grads
+        comm["tp_all_gather"] = per_kind * stream * accum
+        comm["tp_reduce_scatter"] = per_kind * stream * accum
+        comm["tp_all_reduce"] = (2 * stream * (1 if 0 in pl.stages else 0)  # the embedding's partial sums
+                                 + (2 * 2 * b_dp * s * 4 * _ring(d.tp) if pl.has_head and _loss_parallel(tc, d) else 0)
+                                 ) * accum
+        gathered = pl.has_head and not _loss_parallel(tc, d)
+        comm["tp_logits_all_gather"] = (b_dp * s * V * 4 * _ring(d.tp) * accum) if gathered else 0.0
     if d.pp > 1:
         # activations forward out of every stage but the last, gradients back out of every stage but the first
         sends = sum(st < pl.n_stages - 1 for st in pl.stages) + sum(st > 0 for st in pl.stages)
         comm["pp_send"] = b_dp * s * h * 4 * sends * accum
     return {k: v for k, v in comm.items() if v}
+
+
+def _stack_of(c: Counts, block: int) -> int:
+    """0 for an encoder's (or a decoder-only model's) blocks, 1 for an encoder-decoder's decoder."""
+    return int(c.cross[block])
 
 
 def plan(cfg: RunConfig, world_size: int, batch_size: int | None = None, seq_len: int | None = None) -> dict:
@@ -257,6 +300,7 @@ def plan(cfg: RunConfig, world_size: int, batch_size: int | None = None, seq_len
         "bytes_per_activation": e,
         "activation_checkpointing": tc.activation_checkpointing,
         "memory_bytes": _memory(m, tc, pc, c, d, pl, s, e, fsdp),
+        "activations_per_block_bytes": _block_activations(m, d, s, pl.b, e)[1],  # kept without checkpointing
         "comm_bytes_per_step": _communication(m, tc, c, d, pl, s, e, fsdp),
     }
 

@@ -89,12 +89,22 @@ _AUTO_TASKS = {
 }
 
 
+def _version() -> str:
+    """The installed blockformer's version (the package's metadata, as pip wrote it)."""
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version("blockformer")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def model_card(hf_config: dict[str, Any], blockformer_config: dict[str, Any], *, source: str, family: str,
                n_params: int, out: str, tokenizer: bool) -> str:
     """The ``README.md`` of an exported directory: YAML front matter the Hub reads
     (``library_name``, ``tags``, ``pipeline_tag``), then what was exported from what and how
     to load it. ``source``: Markdown, e.g. a checkpoint path in backticks."""
-    from .. import __version__  # noqa: PLC0415
+    __version__ = _version()
 
     arch = (hf_config.get("architectures") or ["AutoModel"])[0]
     model_type = hf_config.get("model_type", family)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import socket
 import statistics
@@ -50,10 +51,12 @@ def _setup(args, layout: str, kernel: str):
 
     from blockformer import parallel  # noqa: PLC0415
     from blockformer.run_config import load_run_config  # noqa: PLC0415
+    from blockformer.train.compile import resolve_compile  # noqa: PLC0415
     from blockformer.train.optim import build_optimizer  # noqa: PLC0415
     from blockformer.train.setup import build_run  # noqa: PLC0415
 
     cfg = load_run_config(overrides=overrides(args) + [layout])
+    cfg.train = dataclasses.replace(cfg.train, compile=resolve_compile(cfg.train.compile, cfg.model))  # as the loop
     runtime = parallel.start(cfg, torch.device("cpu"))
     built = build_run(cfg, runtime.device, log=lambda *a: None)
     model, fwd = parallel.parallelize(built.model, built.config, runtime, cfg.train)

@@ -7,6 +7,7 @@ equal those of syncing every micro-batch, of the per-tensor AdamW and of one pro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
@@ -20,6 +21,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from blockformer import parallel
 from blockformer.train import step as step_module
+from blockformer.train.compile import resolve_compile
 from blockformer.train.optim import build_optimizer
 from blockformer.train.setup import build_run
 from blockformer.train.step import train_step
@@ -90,7 +92,10 @@ def _sync_every_micro_batch(on: bool) -> Iterator[None]:
 
 
 def _setup(tmp: str, overrides: list[str], kernel: str | None = None):
+    """What the loop builds: runtime, model, forward module, objective, AdamW, and the train
+    config with ``compile = "auto"`` resolved as the loop resolves it (off for this model)."""
     cfg = lm_config(Path(tmp), f"train.grad_accum={ACCUM}", "train.grad_clip=1.0", *overrides)
+    cfg.train = dataclasses.replace(cfg.train, compile=resolve_compile(cfg.train.compile, cfg.model))
     runtime = parallel.start(cfg, torch.device("cpu"))
     torch.manual_seed(cfg.train.seed)
     built = build_run(cfg, runtime.device, log=lambda *a: None)
@@ -102,8 +107,14 @@ def _setup(tmp: str, overrides: list[str], kernel: str | None = None):
     return cfg, runtime, model, fwd, built.objective, optimizer
 
 
-def _full(model: torch.nn.Module) -> dict[str, list]:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().tolist() for n, p in model.named_parameters()}
+def _full(model: torch.nn.Module, runtime) -> dict[str, list]:
+    """Every weight whole, its rows in the model's order (TP reorders fused rows)."""
+    rows = getattr(runtime, "rows", None)
+    out = {}
+    for name, p in model.named_parameters():
+        w = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        out[name] = (rows.to_model(name, w) if rows is not None else w).tolist()
+    return out
 
 
 def _old_norm(params: list[torch.Tensor]) -> torch.Tensor:
@@ -149,7 +160,7 @@ def _steps(rank: int, tmp: str, overrides: list[str], out: str, every: bool, ker
                 losses.append(float(loss))
     finally:
         counter.close()
-    weights = _full(model)
+    weights = _full(model, runtime)
     if rank == 0:
         counts = {phase: counter.of(phase) for phase in ("backward", "norm", "adamw")}
         counts = {phase: {k: v / n_steps for k, v in c.items()} for phase, c in counts.items()}
@@ -229,7 +240,5 @@ def test_fused_and_foreach_adamw_on_dtensors_make_no_collective_and_match_the_pe
 
 @pytest.mark.slow
 def test_the_new_step_matches_one_process(runs):
-    # TP is held to its per-tensor path above, not to one process: under tp=2 this decoder's
-    # embedding table gets no gradient from its lookup (untied: None), at HEAD before this change too.
-    for out in ("fsdp", "ddp"):
+    for out in ("fsdp", "ddp", "tp"):
         _same(runs[out], runs["one"], rtol=1e-5)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from blockformer.parallel.meta import simulate
+from blockformer.parallel.simulate import simulate
 from blockformer.parallel.plan import plan
 from blockformer.run_config import load_run_config
 

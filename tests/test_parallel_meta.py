@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from blockformer.config import TransformerConfig
 from blockformer.models import build_model
-from blockformer.parallel import meta, parallelize, start
+from blockformer.parallel import meta, parallelize, simulate, start
 from blockformer.parallel.plan import plan
 from blockformer.run_config import load_run_config
 from blockformer.train import loop
@@ -142,7 +142,7 @@ def _simulated_rank(index: int, first: int, tmp: str) -> None:
     mesh state between groups of one process): its shards, saved."""
     torch.set_num_threads(1)
     cfg = load_run_config(overrides=FSDP_X_TP)
-    with meta.fake_group(4, first + index):
+    with simulate.fake_group(4, first + index):
         model, _ = parallelize(build_run_model(cfg, seed=5, meta=True), cfg, start(cfg, torch.device("cpu")))
         torch.save({name: p.to_local().detach().clone() for name, p in model.named_parameters()},
                    Path(tmp) / f"rank{first + index}.pt")
@@ -168,7 +168,7 @@ def test_fsdp_x_tp_shards_of_four_simulated_ranks_hold_the_one_process_values_be
 @pytest.mark.skipif(dist.is_initialized(), reason="a process group is already running in this process")
 def test_llama_7b_sharded_over_8_fake_ranks_holds_the_planners_parameters():
     cfg = load_run_config(preset="llama-7b")
-    got = meta.simulate(cfg, 8)
+    got = simulate.simulate(cfg, 8)
     want = plan(cfg, 8)
     assert got["parameters"] == want["parameters"] == 6_738_415_616
     assert got["parameters_per_rank"] == want["parameters_per_rank"] == got["parameters"] / 8  # no padding here

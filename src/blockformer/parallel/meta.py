@@ -18,11 +18,9 @@ model; the time is the one-process init's (every draw is made, if only to be dis
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -257,43 +255,4 @@ def materialize(model: nn.Module, device: torch.device | str, rows: Any = None) 
     return log
 
 
-@contextlib.contextmanager
-def fake_group(world_size: int, rank: int = 0) -> Iterator[None]:
-    """This process as rank ``rank`` of ``world_size`` in torch's fake process group: meshes,
-    FSDP and TP build as on a real job; collectives do nothing."""
-    import torch.distributed as dist  # noqa: PLC0415
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: PLC0415
-
-    if dist.is_initialized():
-        raise UsageError("meta.fake_group: a process group is already running here; expected none")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def simulate(cfg: Any, world_size: int, rank: int = 0) -> dict[str, Any]:
-    """The parameters rank ``rank`` of a ``world_size``-rank job of ``cfg`` holds, measured on the
-    sharded tensors themselves: the model built on meta and parallelised as a training run
-    would be, in this one process, over torch's fake process group. Ranks other than 0 want
-    a process each: torch keeps mesh state from one group to the next in a process."""
-    from ..models import build_model  # noqa: PLC0415
-    from .runtime import parallelize, start  # noqa: PLC0415 - runtime imports this module
-
-    with fake_group(world_size, rank):
-        par = start(cfg, torch.device("cpu"))
-        with torch.device(META):
-            model = build_model(cfg.model)
-        tc = cfg.train  # "auto" precision planned as bf16, as plan.py does; nothing compiled
-        tc = dataclasses.replace(tc, precision="bf16" if tc.precision == "auto" else tc.precision, compile=False)
-        model, _ = parallelize(model, cfg, par, tc)
-        params = dict(model.named_parameters())
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in params.values()]
-        return {"world_size": world_size, "rank": rank, "layout": par.layout(),
-                "parameters": sum(p.numel() for p in params.values()),
-                "parameters_per_rank": sum(t.numel() for t in local),
-                "bytes_per_rank": sum(t.numel() * t.element_size() for t in local)}
-
-
-__all__ = ["InitLog", "build_on_meta", "fake_group", "materialize", "pending", "simulate", "wanted"]
+__all__ = ["InitLog", "build_on_meta", "materialize", "pending", "wanted"]

@@ -64,6 +64,14 @@ def test_the_7b_under_tp_8_plans_what_the_trainer_runs():
         8 * s * b * V * 7 / 8)
 
 
+def test_accumulation_reduces_gradients_once_a_step_and_holds_them_unsharded_until_then():
+    one = plan(load_run_config(preset="llama-7b"), 8)
+    four = plan(load_run_config(preset="llama-7b", overrides=["train.grad_accum=4"]), 8)
+    assert four["comm_bytes_per_step"]["fsdp_reduce_scatter"] == one["comm_bytes_per_step"]["fsdp_reduce_scatter"]
+    assert four["comm_bytes_per_step"]["fsdp_all_gather"] == 4 * one["comm_bytes_per_step"]["fsdp_all_gather"]
+    assert four["memory_bytes"]["gradients"] == 4 * P_7B + 4 * P_7B / 8  # whole fp32 gradients, then the shard
+
+
 def test_pipeline_stages_hold_their_blocks():
     cfg = load_run_config(preset="llama-7b", overrides=["parallel.pp=2"])
     p = plan(cfg, 2)

@@ -29,9 +29,14 @@ Memory per rank, in bytes (``P`` = this rank's parameters after TP and PP):
   ``8 * s*b*V`` in fp32, ``/tp`` under loss parallel (``loss.py``: the training loss reads
   the vocabulary shards; gathered with label smoothing or a pipeline).
 
+Under gradient accumulation the gradients cross ranks once a step, in the last
+micro-batch's backward (``fsdp.gradient_sync``); until then FSDP keeps them unsharded,
+``4P`` on top of the ``4P / dp_shard`` shards.
+
 Communication per optimizer step, bytes sent per rank (ring collectives move
 ``2(n-1)/n`` of the buffer for an all-reduce and ``(n-1)/n`` for an all-gather or a
-reduce-scatter), repeated for each of the ``grad_accum`` micro-batches:
+reduce-scatter), the activations' and weights' repeated for each of the ``grad_accum``
+micro-batches, the gradients' once:
 - FSDP: all-gather of the weights in forward and again in backward, reduce-scatter of the
   fp32 gradients; HSDP adds an all-reduce of the gradient shards across replicas; DDP an
   all-reduce of the fp32 gradients;
@@ -219,9 +224,12 @@ def _memory(m: TransformerConfig, tc: TrainConfig, pc: ParallelConfig, c: Counts
             s: int, e: int, fsdp: bool) -> dict[str, float]:
     P, shard = pl.P, d.dp_shard
     biggest_block = max(sp / d.tp + rp for sp, rp in zip(c.block_split, c.block_replicated))
+    # under accumulation FSDP keeps each micro-batch's gradients unsharded until the last one's
+    # backward reduce-scatters them (fsdp.gradient_sync): the rank's whole fp32 gradients
+    unsharded = fsdp and shard > 1 and tc.grad_accum > 1
     memory = {
         "weights": 4 * P / shard,
-        "gradients": 4 * P / shard,
+        "gradients": 4 * P * (1 + 1 / shard) if unsharded else 4 * P / shard,
         "optimizer": 8 * P / shard,
         "gathered_weights": 2 * biggest_block * e if fsdp else 0.0,
         "activations": _activations(m, tc, pc, d, pl, s, e),
@@ -243,10 +251,11 @@ def _communication(m: TransformerConfig, tc: TrainConfig, c: Counts, d: Degrees,
     comm = {}
     if fsdp:
         comm["fsdp_all_gather"] = 2 * P * e * _ring(shard) * accum if shard > 1 else 0.0
-        comm["fsdp_reduce_scatter"] = 4 * P * _ring(shard) * accum if shard > 1 else 0.0
-        comm["hsdp_all_reduce"] = 2 * 4 * (P / shard) * _ring(d.dp_replicate) * accum
+        # gradients cross ranks once a step, in the last micro-batch's backward (fsdp.gradient_sync)
+        comm["fsdp_reduce_scatter"] = 4 * P * _ring(shard) if shard > 1 else 0.0
+        comm["hsdp_all_reduce"] = 2 * 4 * (P / shard) * _ring(d.dp_replicate)
     elif d.dp_replicate > 1:
-        comm["ddp_all_reduce"] = 2 * 4 * P * _ring(d.dp_replicate) * accum
+        comm["ddp_all_reduce"] = 2 * 4 * P * _ring(d.dp_replicate)
     if d.tp > 1:
         stream = b_dp * s * h * e * _ring(d.tp)  # one all-gather or reduce-scatter of the (b, s, h) stream
         recompute = tc.activation_checkpointing == "full"

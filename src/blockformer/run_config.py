@@ -34,6 +34,7 @@ Schedule = Literal["noam", "cosine", "constant"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 Device = Literal["auto", "cpu", "cuda"]
 NonFinite = Literal["stop", "skip"]
+Resume = Literal["none", "auto"]
 Objective = Literal["auto", "lm", "mlm"]
 Compile = Literal["auto"]
 Freeze = Literal["none", "embeddings", "body"]
@@ -161,6 +162,9 @@ class TrainConfig:
     sample_prompts: list[str] = field(default_factory=lambda: [""])  # cycled over the samples
     # --- reliability (issue 9)
     nonfinite: NonFinite = "stop"  # a NaN/inf loss: "stop" the run (exit 3) or "skip" that step's update
+    # auto: continue from the run directory's latest complete checkpoint if it has one, else start
+    # fresh (what a torchrun --max-restarts restart needs; train/run_dir.py); none: --resume decides
+    resume: Resume = "none"
     # --- objective, and fine-tuning from a checkpoint
     objective: Objective = "auto"  # auto: the data decides (text: lm, or mlm for an encoder)
     mask_rate: float = 0.15  # mlm: share of positions selected (Devlin et al. 2019)
@@ -278,6 +282,7 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages (decoder only)
     pp_schedule: PipelineSchedule = "1f1b"
     pp_microbatches: int = 0  # micro-batches per step in the pipeline; 0 = 2 * pp
+    timeout: float = 300.0  # seconds a collective waits for a rank before the job ends (torch: 1800)
 
     def __post_init__(self) -> None:
         check_types(self, SECTION_OF[type(self).__name__])
@@ -286,6 +291,9 @@ class ParallelConfig:
             raise UsageError(f"parallel.dp_shard={self.dp_shard!r}: expected an integer >= 1, or -1 (the rest)")
         if self.pp_microbatches < 0:
             raise UsageError(f"parallel.pp_microbatches={self.pp_microbatches!r}: expected an integer >= 0")
+        if self.timeout <= 0:
+            raise UsageError(f"parallel.timeout={self.timeout!r}: expected seconds > 0 (how long a collective "
+                             f"waits for a rank that stopped answering)")
 
 
 SECTION_OF = {"DataConfig": "data", "TrainConfig": "train", "TransformerConfig": "model",

@@ -1,4 +1,4 @@
-"""``blockformer train [CONFIG.toml] [--preset NAME] [--set section.key=value ...] [--resume DIR | --init-from CKPT]``"""
+"""``blockformer train [CONFIG.toml] [--preset NAME] [--set section.key=value ...] [--resume DIR | --init-from CKPT] [--resume-if-exists]``"""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.epilog = ("exit codes: 0 finished; 2 bad input or a file-system error; 3 the loss, gradients, "
                      "weights or validation loss became NaN or infinite (no checkpoint holds them); "
+                     "4 a parallel run's collective waited parallel.timeout for a rank, or lost one (the ranks "
+                     "that stopped answering are named); "
                      "130 / 143 stopped by SIGINT / SIGTERM after saving a checkpoint")
     parser.add_argument("config", nargs="?", metavar="CONFIG.toml", help="a TOML run config")
     parser.add_argument("--preset", metavar="NAME", help="a shipped config: " + ", ".join(preset_names()))
@@ -30,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--resume", metavar="DIR", help="continue from a checkpoint, or from a run directory's latest one"
+    )
+    parser.add_argument(
+        "--resume-if-exists", action="store_true",
+        help="continue the run in --out (or runs/<train.name>) from its latest checkpoint if it has one, else "
+             "start it (train.resume=auto: what torchrun --max-restarts reruns; the config must be the run's)",
     )
     parser.add_argument(
         "--init-from", metavar="CKPT",
@@ -47,6 +54,11 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     """The run config of ``args``: from the checkpoint when resuming (``--set`` still applies);
     with ``--init-from``, the base checkpoint's [model] with ``--set model.*`` laid over it."""
     init_from = getattr(args, "init_from", None)
+    if getattr(args, "resume_if_exists", False):
+        if args.resume is not None:
+            raise UsageError("--resume-if-exists: resumes the run directory of this config when it has a checkpoint; "
+                             "--resume DIR always resumes DIR: expected one of them")
+        args = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, "train.resume=auto"]})
     if args.resume is None and init_from:
         data = load_run_config(args.config, args.preset, args.overrides).to_dict()
         data["model"] = read_config(resolve_checkpoint(init_from)).model.to_dict()

@@ -112,21 +112,22 @@ class Parallel:
         return self.degrees.world_size
 
     def on_main(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` on rank 0 alone (owning the run directory, say); if it raises a usage or
-        file error there, every rank raises one, so no rank waits for a collective that never comes."""
+        """``fn()`` on rank 0 alone (owning the run directory, say), its result returned on every
+        rank; if it raises a usage or file error there, every rank raises one, so no rank waits
+        for a collective that never comes."""
         result, error = None, None
         if self.is_main:
             try:
                 result = fn()
             except (UsageError, OSError) as e:
                 error = e
-        message = [None if error is None else str(error)]
+        message = [None if error is None else str(error), result]
         dist.broadcast_object_list(message, src=0)
         if error is not None:
             raise error
         if message[0] is not None:
             raise UsageError(f"rank 0: {message[0]}")
-        return result
+        return message[1]
 
     def loss_context(self, label_smoothing: float) -> contextlib.AbstractContextManager:
         """Under TP, the logits stay split by vocabulary in the training loss."""
@@ -283,7 +284,7 @@ def start(cfg: RunConfig, device: torch.device) -> Local | Parallel:
     check_tp(cfg.model, degrees.tp)
     owns = not dist.is_initialized()
     device = local_device(device)
-    mesh = init_mesh(degrees, device)
+    mesh = init_mesh(degrees, device, pc.timeout)
     return Parallel(degrees=degrees, mesh=mesh, device=device, owns_group=owns, pp_schedule=pc.pp_schedule,
                     n_layers=cfg.model.n_layers)
 

@@ -10,7 +10,8 @@ the current step, save, and return (``_finish``). The loop knows no model, task 
 parallel layout: the objective, the model's own loss and the runtime answer for them.
 
 The run directory is locked for the whole call (``run_dir.RunLock``); a fresh run refuses
-a directory that holds an earlier run unless ``overwrite``.
+a directory that holds an earlier run unless ``overwrite``, and ``train.resume="auto"``
+continues the run there from its latest checkpoint (what a torchrun restart runs).
 
 A kept checkpoint is always finite. Each step checks its loss and its gradients' norm
 (computed for clipping anyway) on the device: a non-finite one makes no update, and stops
@@ -39,6 +40,7 @@ from .. import parallel
 from ..errors import UsageError
 from ..models import training_metrics
 from ..parallel.checkpoint import full_optimizer_state
+from ..parallel.mesh import stopped_ranks
 from ..parallel.meta import wanted as meta_init_wanted
 from ..paths import replace_file
 from ..precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
@@ -106,26 +108,43 @@ def train(
     overwrite: bool = False,
 ) -> TrainResult:
     """Train ``cfg`` into ``run_dir``; ``resume`` continues from a checkpoint (or a run
-    directory's latest). ``stop_at`` ends this call early at that step, saving a checkpoint,
-    as if interrupted. A fresh run into a directory holding an earlier run raises
-    UsageError unless ``overwrite``; another process training there raises UsageError."""
+    directory's latest); without it, ``train.resume="auto"`` continues from ``run_dir``'s own
+    latest checkpoint when it has one (written by the same config: checked), else starts
+    fresh. ``stop_at`` ends this call early at that step, saving a checkpoint, as if
+    interrupted. A fresh run into a directory holding an earlier run raises UsageError
+    unless ``overwrite``; another process training there raises UsageError. A collective
+    that waits ``parallel.timeout`` for a rank, or loses one, raises ``StoppedRanks``."""
     run_dir = Path(run_dir)
+    auto = cfg.train.resume == "auto" and resume is None
+    if auto and overwrite:
+        raise UsageError("train.resume='auto' (--resume-if-exists): continues the run in its directory; --overwrite "
+                         "replaces that run with a fresh one: expected one of them")
     runtime = parallel.start(cfg, resolve_device(cfg.train.device))
     lock = RunLock(run_dir)
 
-    def own_run_dir() -> list[Path]:
+    def own_run_dir() -> tuple[list[Path], Path | None]:
         if not runtime.parallel and not main_process():  # a rank > 0 outside our process group
-            return []
+            return [], None
         lock.acquire()
-        return prepare(run_dir, fresh=resume is None, overwrite=overwrite)
+        return prepare(run_dir, fresh=resume is None, overwrite=overwrite, auto=cfg if auto else None)
 
     try:
-        cleaned = runtime.on_main(own_run_dir)  # rank 0 owns the directory; all ranks learn if it could
-        if cleaned:
+        # rank 0 owns the directory; every rank learns if it could, and the checkpoint "auto" found
+        cleaned, latest = runtime.on_main(own_run_dir)
+        if cleaned and runtime.is_main:
             log(f"{run_dir}: removed {len(cleaned)} temporary entries left by an interrupted run")
+        if latest is not None:
+            resume = latest
+            if runtime.is_main:
+                log(f"{run_dir}: train.resume=auto: continuing from {latest.name}")
         run = _start(cfg, run_dir, runtime, resume=resume, overwrite=overwrite, log=log)
         with run.tracker:  # event files flushed and closed on every way out: an error, Ctrl-C
             return _loop(run, stop_at)
+    except RuntimeError as e:  # a collective timed out or lost a rank: one line naming the silent ranks
+        stopped = stopped_ranks(e, cfg.parallel.timeout) if runtime.parallel else None
+        if stopped is None:
+            raise
+        raise stopped from None
     finally:
         if lock.held:
             lock.release()

@@ -8,6 +8,12 @@ a pid that no longer runs is detected and the lock taken over; on another host t
 is told whom to ask. ``check_fresh`` refuses a fresh run into a directory that already
 holds something, naming the ways forward.
 
+``train.resume = "auto"`` (``--resume-if-exists``) is what an elastic restart needs: the
+relaunched command finds its own run directory and continues from the latest complete
+checkpoint there (``latest_of_run``: the same config, checked field by field, the launch's
+``[parallel]`` section aside), or starts fresh where there is none, replacing the records
+of an attempt that died before its first checkpoint.
+
 Nothing is written through a link: ``check_links`` refuses a run directory where one of
 the trainer's names (``config.toml``, ``metrics.jsonl``, ``loss.png``, ``tensorboard``,
 ``step-*``) is a symbolic link, or ``best`` links anywhere but to a checkpoint beside it;
@@ -30,12 +36,18 @@ import torch
 from ..errors import UsageError
 from ..textformats import loads_json
 from ..paths import TMP_TAG, TRASH_TAG, check_writable_dir, replace_file, unlink_if_present as _unlink
-from .checkpoint import BEST, discard, recover, step_checkpoints
+from ..run_config import RunConfig
+from .checkpoint import BEST, discard, read_config, recover, step_checkpoints
 from .metrics import METRICS, PLOT
 from .tracking import TENSORBOARD
 
 LOCK = ".lock"
 CONFIG_TOML = "config.toml"  # the run config, as the run was last started
+# What a run writes before its first checkpoint: all an attempt that died early leaves.
+BEFORE_FIRST_CHECKPOINT = (CONFIG_TOML, METRICS, PLOT, TENSORBOARD, BEST)
+# Not compared by train.resume="auto": how this start asks to resume, and what the run fills in
+# (the tokenizer's size; the labels of the data, when not given).
+_FILLED_IN = ("train.resume", "model.vocab_size")
 
 
 class RunLock:
@@ -201,11 +213,55 @@ def check_links(run_dir: Path) -> None:
             )
 
 
-def prepare(run_dir: Path, *, fresh: bool, overwrite: bool) -> list[Path]:
+def prepare(run_dir: Path, *, fresh: bool, overwrite: bool,
+            auto: RunConfig | None = None) -> tuple[list[Path], Path | None]:
     """Under the lock: clean what crashed writers left; refuse links among the trainer's
-    names, and a fresh run into a used directory unless ``overwrite``. Returns the cleaned paths."""
+    names, and a fresh run into a used directory unless ``overwrite``. With ``auto`` (the
+    run's config, under ``train.resume="auto"``) the directory's latest complete checkpoint
+    is the one to resume from; with none, an early attempt's records are cleared for a fresh
+    start. Returns the cleaned paths and that checkpoint (or None)."""
     cleaned = recover(run_dir)
     check_links(run_dir)
-    if fresh:
-        check_fresh(run_dir, overwrite)
-    return cleaned
+    latest = latest_of_run(run_dir, auto) if auto is not None and fresh else None
+    if fresh and latest is None:
+        early = auto is not None and all(p.name in BEFORE_FIRST_CHECKPOINT for p in leftovers(run_dir))
+        if early:
+            clear_previous_run(run_dir)
+        check_fresh(run_dir, overwrite or early)
+    return cleaned, latest
+
+
+def latest_of_run(run_dir: Path, cfg: RunConfig) -> Path | None:
+    """The latest complete checkpoint in ``run_dir`` if there is one, written by ``cfg`` (the
+    first field that differs is a UsageError naming it); None where there is none."""
+    ckpts = step_checkpoints(run_dir)
+    if not ckpts:
+        return None
+    latest = ckpts[-1]
+    diff = first_difference(read_config(latest), cfg)
+    if diff is not None:
+        name, saved, given = diff
+        raise UsageError(
+            f"{latest}: train.resume='auto' continues this run, but it was written with {name}={saved!r} and "
+            f"this config has {given!r}; expected the same config (continue with another on purpose: --resume "
+            f"{run_dir} --set {name}=..., or train into another --out DIR)"
+        )
+    return latest
+
+
+def first_difference(saved: RunConfig, cfg: RunConfig) -> tuple[str, object, object] | None:
+    """``(section.key, saved value, cfg's value)`` of the first field in which ``cfg`` differs
+    from the config a checkpoint was saved with, or None. The ``[parallel]`` section is how the
+    job was launched, not the run (a restart may bring other ranks); the fields the run fills
+    in are compared only where ``cfg`` sets them."""
+    old = saved.to_dict()
+    for section, values in cfg.to_dict().items():
+        if section == "parallel":
+            continue
+        for key, value in values.items():
+            name = f"{section}.{key}"
+            if name in _FILLED_IN or (name == "head.labels" and not value):
+                continue
+            if old[section].get(key) != value:
+                return name, old[section].get(key), value
+    return None

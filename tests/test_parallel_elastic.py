@@ -103,6 +103,27 @@ def test_resume_auto_after_an_attempt_that_left_no_checkpoint_and_a_dead_lock_st
         train(cfg, run, **QUIET)
 
 
+def test_a_lock_of_an_earlier_attempt_of_the_same_torchrun_job_is_stale_on_any_node(tmp_path, monkeypatch):
+    from blockformer.errors import UsageError  # noqa: PLC0415
+    from blockformer.train.run_dir import LOCK, RunLock  # noqa: PLC0415
+
+    run = tmp_path / "run"
+    run.mkdir()
+    # rank 0 of the killed attempt ran on another node, whose processes this one cannot see
+    (run / LOCK).write_text(json.dumps({"pid": 4242, "host": "node-7", "job": "job-1"}) + "\n")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with pytest.raises(UsageError, match="another training is writing there \\(pid 4242 on node-7\\)"):
+        RunLock(run).acquire()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")  # another job: the user decides, as before
+    with pytest.raises(UsageError, match="another training is writing there"):
+        RunLock(run).acquire()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")  # a restart of that job: torchrun stopped its workers
+    lock = RunLock(run).acquire()
+    assert json.loads((run / LOCK).read_text()) == {"pid": os.getpid(), "host": os.uname().nodename, "job": "job-1"}
+    lock.release()
+    assert not (run / LOCK).exists()
+
+
 def test_resume_and_timeout_values_are_checked_and_named():
     from blockformer.errors import UsageError  # noqa: PLC0415
     from blockformer.run_config import RunConfig, load_run_config  # noqa: PLC0415

@@ -5,7 +5,9 @@ created atomically (a hard link of a finished file, so it never exists half-writ
 removed when training ends, by any path: return, exception, SIGINT/SIGTERM. A lock left by
 a process that died without cleaning up (kill -9, power loss) is stale: on the same host,
 a pid that no longer runs is detected and the lock taken over; on another host the user
-is told whom to ask. ``check_fresh`` refuses a fresh run into a directory that already
+is told whom to ask. A lock of an earlier attempt of the same torchrun job (its
+``TORCHELASTIC_RUN_ID``) is stale wherever it was taken: torchrun stops every worker of an
+attempt before it starts the next, whose rank 0 may run on another node. ``check_fresh`` refuses a fresh run into a directory that already
 holds something, naming the ways forward.
 
 ``train.resume = "auto"`` (``--resume-if-exists``) is what an elastic restart needs: the
@@ -61,7 +63,7 @@ class RunLock:
     def acquire(self) -> "RunLock":
         check_writable_dir(self.run_dir, "run directory")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        me = {"pid": os.getpid(), "host": socket.gethostname(), **_job()}
         for _ in range(3):
             if self._try_create(me):
                 self.held = True
@@ -132,10 +134,17 @@ def _read_owner(path: Path) -> dict[str, Any] | None:
     return owner
 
 
+def _job() -> dict[str, str]:
+    """The torchrun job this process belongs to, if any (the same across its restarts)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return {"job": run_id} if run_id else {}
+
+
 def _is_stale(owner: dict[str, Any]) -> bool:
-    """Whether the lock's owner is certainly gone: same host and no such process."""
+    """Whether the lock's owner is certainly gone: same host and no such process, or an
+    earlier attempt of this torchrun job (this attempt's rank 0 is the only one that locks)."""
     pid = owner["pid"]
-    if pid <= 0:
+    if pid <= 0 or (owner.get("job") is not None and owner.get("job") == _job().get("job")):
         return True
     if owner.get("host") != socket.gethostname():
         return False  # cannot see processes elsewhere: the user decides

@@ -159,6 +159,21 @@ def test_every_sub_group_of_the_mesh_gets_the_timeout_and_other_errors_are_not_h
     assert stopped_ranks(ValueError("timed out"), 5) is None  # not a collective's error
 
 
+def test_a_rank_that_never_joins_ends_the_start_after_the_timeout_in_one_line(monkeypatch, capsys, tmp_path):
+    from blockformer.cli import main  # noqa: PLC0415
+
+    from parallel_helpers import free_port  # noqa: PLC0415
+
+    for name, value in dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(name, value)  # rank 0 of two, and rank 1 never starts
+    args = ["train", "--preset", "copy", "--set", "train.steps=1", "--set", "parallel.timeout=1"]
+    assert main([*args, "--out", str(tmp_path / "run")]) == 4
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("blockformer train: error: parallel: the 2 ranks did not all join within "
+                          "parallel.timeout=1s (") and "1/2 clients joined" in err and "\n" not in err
+
+
 # ---------------------------------------------------------------------- torchrun
 def _torchrun(tmp_path: Path, fault: str, *args: str, restarts: int = 0, timeout: float = 120,
               until: str | None = None) -> tuple[int | None, str, str, float]:

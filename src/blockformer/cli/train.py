@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.epilog = ("exit codes: 0 finished; 2 bad input or a file-system error; 3 the loss, gradients, "
                      "weights or validation loss became NaN or infinite (no checkpoint holds them); "
-                     "4 a parallel run's collective waited parallel.timeout for a rank, or lost one (the ranks "
-                     "that stopped answering are named); "
+                     "4 a parallel run waited parallel.timeout for a rank (in a collective, or for it to join) "
+                     "or lost one; the ranks that stopped answering are named; "
                      "130 / 143 stopped by SIGINT / SIGTERM after saving a checkpoint")
     parser.add_argument("config", nargs="?", metavar="CONFIG.toml", help="a TOML run config")
     parser.add_argument("--preset", metavar="NAME", help="a shipped config: " + ", ".join(preset_names()))

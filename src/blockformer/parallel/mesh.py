@@ -97,8 +97,15 @@ def init_mesh(degrees: Degrees, device: torch.device, timeout: float = 300.0) ->
     if not dist.is_initialized():
         if backend == "nccl":  # the watchdog ends the process on a failed collective (torchrun sets it too)
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        dist.init_process_group(backend, timeout=wait, device_id=device if backend == "nccl" else None,
-                                **_attempt_store(wait))
+        try:
+            dist.init_process_group(backend, timeout=wait, device_id=device if backend == "nccl" else None,
+                                    **_attempt_store(wait))
+        except RuntimeError as e:  # a rank that never came ("1/2 clients joined"): one line, not a trace
+            if not _PEER_LOST.search(str(e)):
+                raise
+            raise StoppedRanks(f"parallel: the {degrees.world_size} ranks did not all join within parallel.timeout="
+                               f"{timeout:g}s ({str(e).strip().splitlines()[0]}); expected every rank started "
+                               f"(torchrun --nproc_per_node, --nnodes) and the rendezvous address reachable") from None
     if dist.get_world_size() != degrees.world_size:  # pragma: no cover - resolve_degrees checked it
         raise UsageError(f"parallel: the process group has {dist.get_world_size()} ranks, expected {degrees.world_size}")
     _generation += 1

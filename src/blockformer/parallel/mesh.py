@@ -132,7 +132,8 @@ def _attempt_store(wait: timedelta) -> dict[str, Any]:
 def _group_timeouts(degrees: Degrees, backend: str, wait: timedelta) -> dict[str, Any]:
     """The mesh's sub-groups (a dim wider than one rank, narrower than the world) with the
     timeout: ``new_group`` would give them torch's 30 minutes, not the default group's."""
-    if dist.get_backend() == "fake":  # a simulated job (parallel/simulate.py): its groups never wait
+    # A simulated job (parallel/simulate.py, torch's fake backend): its groups never wait.
+    if dist.is_initialized() and dist.get_backend() == "fake":
         return {}
     dims = [name for name, n in zip(DIMS, degrees.as_tuple()) if 1 < n < degrees.world_size]
     return {name: (backend, _options(backend, wait)) for name in dims}

@@ -86,3 +86,33 @@ def test_tp_fsdp_x_tp_and_hsdp_training_match_one_process(tmp_path, kind):
 def _layouts(rank: int, kind: str, tmp: str, layouts) -> None:
     for out, overrides in layouts:
         _train_on_rank(rank, kind, tmp, overrides, out)
+
+
+def _embedding_grad(tmp: str, overrides: list[str]) -> list | None:
+    """The token table's gradient (whole) after one batch's loss, the model built as the loop builds it."""
+    from test_parallel_comm import _setup  # noqa: PLC0415
+
+    _, runtime, model, fwd, objective, _ = _setup(tmp, ["model.tie_embeddings=false", *overrides])
+    with runtime.loss_context(0.0):
+        objective.loss(fwd, objective.next_batch()).backward()
+    grad = model.embed.tokens.weight.grad
+    return None if grad is None else (grad.full_tensor() if runtime.parallel else grad).tolist()
+
+
+def _embedding_grads_on_rank(rank: int, tmp: str) -> None:
+    out = {mode: _embedding_grad(tmp, ["parallel.tp=2", f"train.compile={mode == 'compiled'}"])
+           for mode in ("eager", "compiled")}
+    if rank == 0:
+        write_json(Path(tmp) / "grads.json", out)
+
+
+@pytest.mark.slow
+def test_tp_compiled_blocks_pass_the_embedding_its_gradient(tmp_path):
+    # The table's output reaches the first (compiled) block as an AsyncCollectiveTensor; unwrapped
+    # there, it lost its autograd edge and the untied table got no gradient.
+    run_ranks(2, _embedding_grads_on_rank, str(tmp_path))
+    got = read_json(tmp_path / "grads.json")
+    ref = torch.tensor(_embedding_grad(str(tmp_path), []))
+    assert got["compiled"] is not None, "no gradient reached the embedding table under compile + TP"
+    torch.testing.assert_close(torch.tensor(got["compiled"]), torch.tensor(got["eager"]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(got["eager"]), ref, rtol=1e-5, atol=1e-5)

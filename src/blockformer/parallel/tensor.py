@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -146,9 +147,20 @@ def _shard_vocabulary(model: nn.Module, mesh: DeviceMesh) -> None:
             continue
         done.add(id(embedding.tokens))
         parallelize_module(embedding.tokens, mesh, RowwiseParallel(input_layouts=Replicate()))
+        embedding.tokens.register_forward_hook(_waited)
     if getattr(model, "head", None) is None:  # a pipeline stage without the head
         return
     shard_head(model.head, mesh)  # its logits gathered, but inside the training loss (loss.py)
     if model.cfg.tie_embeddings:  # the head reads the (now sharded) embedding table: re-point it at the same parameter
         table = (getattr(model, "embed", None) or model.tgt_embed).tokens
         model.head.weight = table.weight
+
+
+def _waited(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """The table's all-reduced rows as a plain tensor. ``RowwiseParallel`` hands out an
+    ``AsyncCollectiveTensor`` (the all-reduce not yet waited on); reaching a compiled block
+    as is (``train.compile``, no additive position signal in between), AOTAutograd unwraps it
+    with ``trigger_wait()``, whose result does not require grad: the table got no gradient
+    (torch 2.13; pytorch/pytorch#191113). ``clone``, like any op that is not a view, waits
+    and keeps the autograd edge."""
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output

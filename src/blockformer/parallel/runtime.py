@@ -13,7 +13,6 @@ from __future__ import annotations
 
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -196,25 +195,21 @@ class Parallel:
         return t
 
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        """Clip by the norm of all gradients of the model, whatever shard each rank holds, for
-        one all-reduce over every rank (torchtitan's ``clip_grad_norm_`` reduces once too): each
-        rank adds the squares of its local shards, each divided by the number of ranks that hold
-        that same shard (a weight replicated over tp or dp_replicate counts once; each pipeline
-        stage has its own)."""
+        """Clip by the norm of all gradients of the model, whatever shard each rank holds: each
+        DTensor gradient's squared norm is reduced over its own mesh (``full_tensor``), then
+        summed over the pipeline stages. TP's Partial gradients are first summed in one batch
+        (``_sum_partial_grads``). One reduction for the whole norm (local squares weighted by
+        how many ranks hold each shard) gave FSDP x TP and TP runs other losses than one
+        process's, so it is not used."""
         _sum_partial_grads(params)
         squares = torch.zeros((), device=self.device, dtype=torch.float32)
-        by_copies: dict[int, list[torch.Tensor]] = {}
         for p in params:
             if p.grad is None:
                 continue
-            g, shards = p.grad, 1
-            if isinstance(g, DTensor):
-                shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
-                g = g.to_local()
-            by_copies.setdefault(self.world_size // (self.degrees.pp * shards), []).append(g)
-        for copies, local in by_copies.items():
-            squares += torch.nn.utils.get_total_norm(local).float().square() / copies
-        dist.all_reduce(squares)
+            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+            squares += sq.full_tensor() if isinstance(sq, DTensor) else sq
+        if self.degrees.pp > 1:  # each stage holds different parameters
+            dist.all_reduce(squares, group=self.mesh["pp"].get_group())
         total = squares.sqrt()
         groups: dict[Any, list[torch.Tensor]] = {}  # one fused multiply per mesh (FSDP x TP mixes 1-D and 2-D)
         for p in params:

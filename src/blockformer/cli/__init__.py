@@ -144,6 +144,8 @@ EXIT_CODES = {
     2: "bad input or a file-system error: one line on stderr names the value or path",
     3: "training stopped: the loss, the gradient, the weights or the validation loss became NaN or infinite "
        "(train.nonfinite=stop); the last finite checkpoint is named",
+    4: "a parallel run lost a rank: a collective waited parallel.timeout seconds (or a connection closed); "
+       "one line names the ranks that stopped answering",
     130: "stopped by SIGINT (Ctrl-C); a training run saved a checkpoint first",
     143: "stopped by SIGTERM; a training run saved a checkpoint first",
 }

@@ -16,7 +16,6 @@ and their ratios to the new path (sync on the last micro-batch, build_optimizer'
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import socket
@@ -44,7 +43,7 @@ def overrides(args) -> list[str]:
     ]
 
 
-def _setup(args, layout: str, kernel: str):
+def _setup(args, layout: str, kernel: str, every: bool):
     import torch  # noqa: PLC0415
 
     from blockformer import parallel  # noqa: PLC0415
@@ -53,7 +52,7 @@ def _setup(args, layout: str, kernel: str):
     from blockformer.train.optim import build_optimizer  # noqa: PLC0415
     from blockformer.train.setup import build_run  # noqa: PLC0415
 
-    cfg = load_run_config(overrides=overrides(args) + [layout])
+    cfg = load_run_config(overrides=overrides(args) + [layout] + ["parallel.grad_sync=every"] * every)
     cfg.train = dataclasses.replace(cfg.train, compile=resolve_compile(cfg.train.compile, cfg.model))  # as the loop
     runtime = parallel.start(cfg, torch.device("cpu"))
     built = build_run(cfg, runtime.device, log=lambda *a: None)
@@ -62,19 +61,6 @@ def _setup(args, layout: str, kernel: str):
     for group in optimizer.param_groups:
         group["foreach"], group["fused"] = kernel == "foreach", kernel == "fused"
     return cfg, runtime, model, fwd, built.objective, optimizer
-
-
-@contextlib.contextmanager
-def _sync_every(on: bool):
-    from blockformer.train import step as step_module  # noqa: PLC0415
-
-    kept = step_module.gradient_sync
-    if on:
-        step_module.gradient_sync = lambda model, enabled: contextlib.nullcontext()
-    try:
-        yield
-    finally:
-        step_module.gradient_sync = kept
 
 
 def _worker(rank: int, args, port: int) -> None:
@@ -89,7 +75,7 @@ def _worker(rank: int, args, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     runs = []
     for i, (name, layout, every, kernel) in enumerate(VARIANTS):
-        cfg, runtime, model, fwd, objective, optimizer = _setup(args, layout, kernel)
+        cfg, runtime, model, fwd, objective, optimizer = _setup(args, layout, kernel, every)
         adamw = optimizer.step
         runs.append({"name": name, "every": every, "setup": (cfg, runtime, model, fwd, objective, optimizer),
                      "adamw": adamw, "steps": [], "opt": []})
@@ -110,9 +96,8 @@ def _worker(rank: int, args, port: int) -> None:
         batches = [objective.next_batch() for _ in range(cfg.train.grad_accum)]
         dist.barrier()
         t0 = time.perf_counter()
-        with _sync_every(run["every"]):
-            loss = train_step(fwd, objective, batches, optimizer, scaler, params, cfg.train, runtime.device,
-                              check_finite=True, runtime=runtime)
+        loss = train_step(fwd, objective, batches, optimizer, scaler, params, cfg.train, runtime.device,
+                          check_finite=True, runtime=runtime)
         float(loss)
         if timed:
             run["steps"].append(time.perf_counter() - t0)

@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from blockformer import parallel
-from blockformer.train import step as step_module
 from blockformer.train.compile import resolve_compile
 from blockformer.train.optim import build_optimizer
 from blockformer.train.setup import build_run
@@ -79,18 +78,6 @@ class Collectives:
             setattr(dist, name, fn)
 
 
-@contextlib.contextmanager
-def _sync_every_micro_batch(on: bool) -> Iterator[None]:
-    """Today's path before this change: every micro-batch's backward communicates."""
-    kept = step_module.gradient_sync
-    if on:
-        step_module.gradient_sync = lambda model, enabled: contextlib.nullcontext()
-    try:
-        yield
-    finally:
-        step_module.gradient_sync = kept
-
-
 def _setup(tmp: str, overrides: list[str], kernel: str | None = None):
     """What the loop builds: runtime, model, forward module, objective, AdamW, and the train
     config with ``compile = "auto"`` resolved as the loop resolves it (off for this model)."""
@@ -131,7 +118,8 @@ def _steps(rank: int, tmp: str, overrides: list[str], out: str, every: bool, ker
            n_steps: int = 2) -> None:
     """``n_steps`` optimizer steps of ``ACCUM`` micro-batches; the losses, norms (new and old
     formula), final weights and per-step collectives of rank 0 go to ``out.json``."""
-    cfg, runtime, model, fwd, objective, optimizer = _setup(tmp, overrides, kernel)
+    cfg, runtime, model, fwd, objective, optimizer = _setup(tmp, overrides + ["parallel.grad_sync=every"] * every,
+                                                            kernel)
     params = [p for p in model.parameters() if p.requires_grad]
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     counter = Collectives()
@@ -152,12 +140,11 @@ def _steps(rank: int, tmp: str, overrides: list[str], out: str, every: bool, ker
     runtime.grad_norm, optimizer.step = grad_norm, adamw
     losses, norms = [], []
     try:
-        with _sync_every_micro_batch(every):
-            for _ in range(n_steps):
-                batches = [objective.next_batch() for _ in range(ACCUM)]
-                loss = train_step(fwd, objective, batches, optimizer, scaler, params, cfg.train, runtime.device,
-                                  check_finite=True, runtime=runtime, norms=norms)
-                losses.append(float(loss))
+        for _ in range(n_steps):
+            batches = [objective.next_batch() for _ in range(ACCUM)]
+            loss = train_step(fwd, objective, batches, optimizer, scaler, params, cfg.train, runtime.device,
+                              check_finite=True, runtime=runtime, norms=norms)
+            losses.append(float(loss))
     finally:
         counter.close()
     weights = _full(model, runtime)

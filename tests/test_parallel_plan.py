@@ -70,6 +70,9 @@ def test_accumulation_reduces_gradients_once_a_step_and_holds_them_unsharded_unt
     assert four["comm_bytes_per_step"]["fsdp_reduce_scatter"] == one["comm_bytes_per_step"]["fsdp_reduce_scatter"]
     assert four["comm_bytes_per_step"]["fsdp_all_gather"] == 4 * one["comm_bytes_per_step"]["fsdp_all_gather"]
     assert four["memory_bytes"]["gradients"] == 4 * P_7B + 4 * P_7B / 8  # whole fp32 gradients, then the shard
+    every = plan(load_run_config(preset="llama-7b", overrides=["train.grad_accum=4", "parallel.grad_sync=every"]), 8)
+    assert every["comm_bytes_per_step"]["fsdp_reduce_scatter"] == 4 * one["comm_bytes_per_step"]["fsdp_reduce_scatter"]
+    assert every["memory_bytes"]["gradients"] == 4 * P_7B / 8  # sharded all along
 
 
 def test_pipeline_stages_hold_their_blocks():

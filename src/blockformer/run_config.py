@@ -41,6 +41,7 @@ Freeze = Literal["none", "embeddings", "body"]
 HeadTask = Literal["none", "classify", "multilabel", "tokens", "regress"]
 Pooling = Literal["auto", "cls", "mean", "last", "pooler"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+GradSync = Literal["last", "every"]
 Checkpointing = Literal["none", "full", "selective"]
 ReportTo = Literal["jsonl", "tensorboard"]  # train.report_to's entries (train/tracking.py)
 REPORT_TO: tuple[str, ...] = get_args(ReportTo)
@@ -283,6 +284,9 @@ class ParallelConfig:
     pp_schedule: PipelineSchedule = "1f1b"
     pp_microbatches: int = 0  # micro-batches per step in the pipeline; 0 = 2 * pp
     timeout: float = 300.0  # seconds a collective waits for a rank before the job ends (torch: 1800)
+    # under train.grad_accum: gradients cross ranks in the "last" micro-batch's backward only
+    # (FSDP holds them unsharded until then), or in "every" one's (sharded all along)
+    grad_sync: GradSync = "last"
 
     def __post_init__(self) -> None:
         check_types(self, SECTION_OF[type(self).__name__])

@@ -226,7 +226,7 @@ def _memory(m: TransformerConfig, tc: TrainConfig, pc: ParallelConfig, c: Counts
     biggest_block = max(sp / d.tp + rp for sp, rp in zip(c.block_split, c.block_replicated))
     # under accumulation FSDP keeps each micro-batch's gradients unsharded until the last one's
     # backward reduce-scatters them (fsdp.gradient_sync): the rank's whole fp32 gradients
-    unsharded = fsdp and shard > 1 and tc.grad_accum > 1
+    unsharded = fsdp and shard > 1 and tc.grad_accum > 1 and pc.grad_sync == "last"
     memory = {
         "weights": 4 * P / shard,
         "gradients": 4 * P * (1 + 1 / shard) if unsharded else 4 * P / shard,
@@ -243,19 +243,20 @@ def _ring(n: int) -> float:
     return (n - 1) / n
 
 
-def _communication(m: TransformerConfig, tc: TrainConfig, c: Counts, d: Degrees, pl: _Pipeline,
-                   s: int, e: int, fsdp: bool) -> dict[str, float]:
+def _communication(m: TransformerConfig, tc: TrainConfig, pc: ParallelConfig, c: Counts, d: Degrees,
+                   pl: _Pipeline, s: int, e: int, fsdp: bool) -> dict[str, float]:
     """Bytes the heaviest rank sends per optimizer step, by collective (the zero ones left out)."""
     P, shard, b_dp, accum = pl.P, d.dp_shard, pl.b_dp, tc.grad_accum
     h, V = m.d_model, m.vocab_size
     comm = {}
     if fsdp:
         comm["fsdp_all_gather"] = 2 * P * e * _ring(shard) * accum if shard > 1 else 0.0
-        # gradients cross ranks once a step, in the last micro-batch's backward (fsdp.gradient_sync)
-        comm["fsdp_reduce_scatter"] = 4 * P * _ring(shard) if shard > 1 else 0.0
-        comm["hsdp_all_reduce"] = 2 * 4 * (P / shard) * _ring(d.dp_replicate)
+        # gradients cross ranks once a step, in the last micro-batch's backward (parallel.grad_sync)
+        grads = accum if pc.grad_sync == "every" else 1
+        comm["fsdp_reduce_scatter"] = 4 * P * _ring(shard) * grads if shard > 1 else 0.0
+        comm["hsdp_all_reduce"] = 2 * 4 * (P / shard) * _ring(d.dp_replicate) * grads
     elif d.dp_replicate > 1:
-        comm["ddp_all_reduce"] = 2 * 4 * P * _ring(d.dp_replicate)
+        comm["ddp_all_reduce"] = 2 * 4 * P * _ring(d.dp_replicate) * (accum if pc.grad_sync == "every" else 1)
     if d.tp > 1:
         stream = b_dp * s * h * e * _ring(d.tp)  # one all-gather or reduce-scatter of the (b, s, h) stream
         recompute = tc.activation_checkpointing == "full"
@@ -310,7 +311,7 @@ def plan(cfg: RunConfig, world_size: int, batch_size: int | None = None, seq_len
         "activation_checkpointing": tc.activation_checkpointing,
         "memory_bytes": _memory(m, tc, pc, c, d, pl, s, e, fsdp),
         "activations_per_block_bytes": _block_activations(m, d, s, pl.b, e)[1],  # kept without checkpointing
-        "comm_bytes_per_step": _communication(m, tc, c, d, pl, s, e, fsdp),
+        "comm_bytes_per_step": _communication(m, tc, pc, c, d, pl, s, e, fsdp),
     }
 
 

@@ -44,6 +44,7 @@ class Local:
     world_size = 1
     pipeline = None
     grad_scale = 1.0
+    grad_sync = "last"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -103,6 +104,7 @@ class Parallel:
     pipeline: Any = None  # a pipeline.Pipeline when pp > 1
     pp_schedule: str = "1f1b"
     n_layers: int = 0
+    grad_sync: str = "last"  # parallel.grad_sync: which micro-batches' backward reduces gradients
 
     parallel = True
 
@@ -281,7 +283,7 @@ def start(cfg: RunConfig, device: torch.device) -> Local | Parallel:
     device = local_device(device)
     mesh = init_mesh(degrees, device, pc.timeout)
     return Parallel(degrees=degrees, mesh=mesh, device=device, owns_group=owns, pp_schedule=pc.pp_schedule,
-                    n_layers=cfg.model.n_layers)
+                    n_layers=cfg.model.n_layers, grad_sync=pc.grad_sync)
 
 
 def parallelize(

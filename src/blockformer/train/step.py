@@ -59,7 +59,8 @@ def _backward(model, objective, batches, n_targets, scaler, tc, device, runtime,
     total = torch.zeros((), device=device)
     for i, batch in enumerate(batches):
         local = runtime.local_batch(batch)
-        with gradient_sync(model, i == len(batches) - 1), runtime.loss_context(tc.label_smoothing):
+        sync = i == len(batches) - 1 or runtime.grad_sync == "every"  # parallel.grad_sync
+        with gradient_sync(model, sync), runtime.loss_context(tc.label_smoothing):
             # The run's own tokenizer made these ids (< vocab_size by construction): the models'
             # value checks would read them on the host, a device sync per micro-batch.
             with autocast(tc.precision, device), trusted_inputs():

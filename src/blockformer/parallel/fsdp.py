@@ -9,7 +9,8 @@ sharded within a group, replicated across groups. DDP (plain replicas, gradients
 all-reduced) is used when nothing is sharded and there is no tensor parallelism.
 
 Under gradient accumulation only the last micro-batch's backward communicates
-(``gradient_sync``): the earlier ones accumulate unsharded gradients locally, so a step
+(``gradient_sync``, with ``parallel.grad_sync = "last"``, the default; ``"every"`` keeps
+each micro-batch's reduction and the gradients sharded): the earlier ones accumulate unsharded gradients locally, so a step
 makes one reduce-scatter per FSDP unit (one bucketed all-reduce pass under DDP) instead of
 one per micro-batch. The price is memory: between the first and the last backward each rank
 holds the unsharded gradients of every unit (the whole model's, in fp32), where syncing

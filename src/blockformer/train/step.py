@@ -55,7 +55,8 @@ def train_step(
 
 def _backward(model, objective, batches, n_targets, scaler, tc, device, runtime, loss_fn) -> torch.Tensor:
     """Backpropagate each micro-batch's share of the step's loss; returns the summed loss.
-    Gradients cross the data-parallel ranks once, in the last micro-batch's backward."""
+    Gradients cross the data-parallel ranks once, in the last micro-batch's backward
+    (``parallel.grad_sync = "every"``: in each one's)."""
     total = torch.zeros((), device=device)
     for i, batch in enumerate(batches):
         local = runtime.local_batch(batch)

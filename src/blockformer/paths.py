@@ -16,6 +16,8 @@ from .errors import UsageError
 # Names of what a writer leaves beside its target until it renames into place (a crash
 # leaves them for the next run to clean: train/checkpoint.recover).
 TMP_TAG, TRASH_TAG = ".tmp-", ".trash-"
+# A checkpoint's consolidated weights (train/checkpoint.py), also written from a parallel run's dcp/.
+WEIGHTS = "model.safetensors"
 
 
 def check_writable_dir(path: str | Path, what: str) -> None:

@@ -157,6 +157,9 @@ class TrainConfig:
     eval_samples: int = 200  # synthetic tasks: held-out examples decoded for exact match
     log_every: int = 10
     keep_last: int = 2  # checkpoints kept besides the best
+    # a parallel run's checkpoints also hold model.safetensors, streamed from their dcp/ by rank 0 a
+    # tensor at a time; false: dcp/ only (`blockformer convert --consolidate` writes it later)
+    consolidate: bool = True
     progress: bool = True
     samples: int = 3  # language modelling: texts sampled at the end of `blockformer train`
     sample_tokens: int = 200

@@ -4,6 +4,7 @@
     blockformer convert --to-hf runs/imported --out path/to/hf-export
     blockformer convert --to-peft runs/lora --out path/to/peft-adapter
     blockformer convert --from-peft path/to/peft-adapter --base path/to/hf-model --out runs/adapted
+    blockformer convert --consolidate runs/llama/step-001000
 
 ``--out`` must be new or empty: it is written whole, and ``--overwrite`` replaces what it
 held (a run directory, a checkpoint, anything), but never the source or a directory that
@@ -20,6 +21,10 @@ LoRA adapters in PEFT's format (GPT-2, Llama, BERT; ``interop/peft.py``): ``--to
 writes a LoRA run's adapter as ``adapter_config.json`` + ``adapter_model.safetensors``
 (``--base`` sets ``base_model_name_or_path``); ``--from-peft`` imports ``--base`` and merges
 the adapter into its weights: an ordinary checkpoint, as ``--from-hf`` writes.
+
+``--consolidate`` writes ``model.safetensors`` into a parallel run's checkpoint from its
+``dcp/`` shards (a run with ``train.consolidate=false`` leaves them alone), one tensor at a
+time, so it needs memory for the largest tensor, not the model.
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--to-hf", metavar="CKPT", help="a blockformer checkpoint or run directory")
     group.add_argument("--to-peft", metavar="CKPT", help="a LoRA run's checkpoint: its adapter as a PEFT adapter directory")
     group.add_argument("--from-peft", metavar="DIR", help="a PEFT LoRA adapter directory, merged into --base")
-    parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write (new or empty)")
+    group.add_argument("--consolidate", metavar="CKPT",
+                       help="a parallel run's checkpoint: write its model.safetensors from its dcp/ shards (no --out)")
+    parser.add_argument("--out", metavar="DIR", help="the directory to write (new or empty; required but with --consolidate)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace what --out holds (never the source, nor a directory around or inside it)")
     parser.add_argument("--tokenizer", metavar="FILE",
@@ -57,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
     from ..interop.hf_dir import DEFAULT_MAX_SHARD_SIZE, parse_size  # noqa: PLC0415
     from ..interop.hub import resolve_source  # noqa: PLC0415
 
+    if args.consolidate is not None:
+        return _consolidate(args)
+    if args.out is None:
+        raise UsageError("--out: required; expected the directory to write (new or empty)")
     if args.max_shard_size is not None and args.to_hf is None:
         raise UsageError("--max-shard-size: only with --to-hf; --from-hf writes a blockformer checkpoint")
     max_bytes = parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, "--max-shard-size")
@@ -100,6 +111,19 @@ def run(args: argparse.Namespace) -> int:
         (Path(out) / "chat_template.jinja").write_text(template, encoding="utf-8")
     n = sum(p.numel() for p in imported.model.parameters())
     print(f"imported {imported.family} ({imported.config.arch}, {n / 1e6:.2f}M parameters) -> {out}")
+    return 0
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from ..parallel.checkpoint import consolidate_checkpoint  # noqa: PLC0415
+    from ..train.checkpoint import read_config, resolve_checkpoint  # noqa: PLC0415
+
+    for flag in ("out", "tokenizer", "base", "max_shard_size"):
+        if getattr(args, flag) is not None:
+            raise UsageError(f"--{flag.replace('_', '-')}: not with --consolidate, which writes into the checkpoint itself")
+    checkpoint = resolve_checkpoint(args.consolidate, prefer="latest")
+    file = consolidate_checkpoint(checkpoint, read_config(checkpoint))
+    print(f"wrote the consolidated weights -> {file}")
     return 0
 
 

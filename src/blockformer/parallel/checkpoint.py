@@ -1,26 +1,30 @@
 """Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), inside the usual directory.
 
 A parallel run's checkpoint is the ordinary self-describing directory (``config.json``,
-``model.safetensors``, ``tokenizer.json``, ``trainer_state.pt``) plus ``dcp/``: every
-rank writes its own shards of the weights and AdamW moments there at once, named by
-parameter and with their global shapes, so the files do not depend on the layout that
-wrote them. Rank 0 then reads the weights back into one CPU model (in the model's own
-row order, see ``tensor.RowOrder``) and writes ``model.safetensors``, which
-``generate``/``eval`` read on one process; the directory is committed with the same
-temporary-directory-and-rename as any checkpoint.
+``tokenizer.json``, ``trainer_state.pt``) with its weights and AdamW moments in ``dcp/``:
+every rank writes its own shards there at once, each named by parameter and placed in the
+tensor's global shape, in the model's own row order. Tensor parallelism stores a fused
+weight's rows reordered (``tensor.RowOrder``); a rank's rows are written as the runs that
+are contiguous in the model's order (``model_rows.py``), so ``dcp/`` is the same whatever
+layout wrote it, and any layout reads it back: each rank reads only the pieces of the
+files that hold its own shards (DCP reshards), never the whole model.
 
-Resuming at any layout (4 ranks -> 2 or 1, or 1 -> 2): the weights come from
-``model.safetensors`` before the model is wrapped; the optimizer state is read as a full,
-name-keyed state dict (from ``dcp/``, or from a 1-process ``trainer_state.pt``) and handed
-to ``set_optimizer_state_dict``, which keeps each rank's shard of it.
+``model.safetensors``, which ``generate``/``eval`` and the exporters also read, is an export
+of ``dcp/``: written beside it when ``train.consolidate`` is on (the default), or later with
+``blockformer convert --consolidate``, one tensor at a time (``write_consolidated``), so the
+writing process never holds the whole model. Every reader takes either form.
 
+Checkpoints written before the model-order ``dcp/`` (no ``dcp_rows`` in the trainer state,
+with ``tp > 1``) carry ``model.safetensors`` and resume into another layout through it.
 Reading ``dcp/`` never runs code from it: every load goes through ``dcp_reader.safe_load``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -38,12 +42,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..errors import UsageError
 from ..models import build_model
-from ..paths import TMP_TAG
+from ..paths import TMP_TAG, WEIGHTS
 from ..run_config import RunConfig
-from .dcp_reader import safe_load
+from .dcp_reader import read_metadata, safe_load
+from .model_rows import ModelRowsSavePlanner, flat_row_orders
 from .tensor import RowOrder, row_order
 
 DCP_DIR = "dcp"
+ROWS_KEY, MODEL_ROWS = "dcp_rows", "model"  # trainer state: dcp/ holds every tensor in the model's row order
 
 
 def save_sharded(
@@ -56,46 +62,132 @@ def save_sharded(
     trainer_state: dict[str, Any],
     write: Callable[..., Path],
 ) -> Path:
-    """Write a checkpoint from every rank of ``par`` (a collective: all ranks call it): rank 0
-    consolidates the weights and ``write`` (the trainer's checkpoint writer) commits them,
-    with the sharded state moved into the checkpoint's ``dcp/``."""
+    """Write a checkpoint from every rank of ``par`` (a collective: all ranks call it): the
+    shards go to ``dcp/``, and rank 0 commits the directory with ``write`` (the trainer's
+    checkpoint writer), streaming ``model.safetensors`` from ``dcp/`` when ``train.consolidate``."""
     directory = Path(directory)
     staging = directory.parent / f".{directory.name}{TMP_TAG}dcp"  # a crashed save leaves it to recover()
     if par.is_main:
         shutil.rmtree(staging, ignore_errors=True)
     par.barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=str(staging))
+    state = _sharded_state(model, optimizer)
+    dcp.save(state, checkpoint_id=str(staging), planner=ModelRowsSavePlanner(flat_row_orders(state, par.rows)))
     if par.is_main:
         try:
-            full = consolidate(staging, cfg, par.degrees.tp)
-            meta = {**trainer_state, "parallel": par.layout()}
-            write(directory, full, tokenizer, cfg, meta, before_commit=lambda tmp: os.replace(staging, tmp / DCP_DIR))
+            meta = {**trainer_state, "parallel": par.layout(), ROWS_KEY: MODEL_ROWS}
+
+            def add_shards(tmp: Path) -> None:
+                os.replace(staging, tmp / DCP_DIR)
+                if cfg.train.consolidate:
+                    write_consolidated(tmp / DCP_DIR, cfg, tmp / WEIGHTS)
+
+            write(directory, None, tokenizer, cfg, meta, before_commit=add_shards)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     par.barrier()
     return directory
 
 
-def consolidate(dcp_dir: str | Path, cfg: RunConfig, tp: int) -> nn.Module:
-    """One CPU model with the weights of the DCP checkpoint ``dcp_dir`` (written with tensor
-    parallel degree ``tp``), in the model's row order."""
-    model = build_model(cfg.model)
-    rows = row_order(model, tp)  # every stage's reorderings, not only this rank's
-    weights = model.state_dict()
-    _load_here({"model": weights}, dcp_dir)
-    with torch.no_grad():
-        for name, value in weights.items():
-            value.copy_(rows.to_model(name, value.clone()))
-    return model
-
-
-def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
-    """Every rank reads its shards of the weights and optimizer state from ``dcp/`` (a collective)."""
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    safe_load(state, checkpoint / DCP_DIR, no_dist=False)
+def load_sharded(par: Any, model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+    """Every rank reads its shards of the weights and optimizer state from ``dcp/`` (a
+    collective), whatever layout wrote them."""
+    state = _sharded_state(model, optimizer)
+    groups = [g["params"] for g in state["optim"]["param_groups"]]  # this rank's names (a pipeline stage's)
+    safe_load(state, checkpoint / DCP_DIR, no_dist=False, orders=flat_row_orders(state, par.rows))
+    for group, names in zip(state["optim"]["param_groups"], groups):
+        group["params"] = names  # the saved groups' hyperparameters, with the parameters held here
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def lays_out_rows_by_model(state: dict[str, Any]) -> bool:
+    """Whether the parallel checkpoint of trainer state ``state`` wrote ``dcp/`` in the
+    model's row order (every checkpoint since ``dcp_rows``, and any without tensor parallelism)."""
+    return state.get(ROWS_KEY) == MODEL_ROWS or state.get("parallel", {}).get("tp", 1) == 1
+
+
+def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+# ---------------------------------------------------------------------- one process
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def weight_names(cfg: RunConfig) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """The tensors a checkpoint's weights hold, each tied table under its first name only
+    (as ``safetensors.torch.save_model`` keeps it): name -> (shape, dtype), from a model
+    built on the meta device (no storage)."""
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    seen: set[int] = set()
+    names = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            names[name] = (t.shape, t.dtype)
+    return names
+
+
+def write_consolidated(dcp_dir: Path, cfg: RunConfig, file: Path) -> None:
+    """``model.safetensors`` from ``dcp_dir``, read and written one tensor at a time: the most
+    held at once is the largest tensor (the embedding table), not the model. safetensors'
+    own writers take the whole dict in memory; the format is a length-prefixed JSON header
+    (name -> dtype, shape, byte range) followed by the raw bytes, written here in that order."""
+    names = weight_names(cfg)
+    saved = read_metadata(dcp_dir).state_dict_metadata
+    missing = [n for n in names if f"model.{n}" not in saved]
+    if missing:
+        raise UsageError(f"{dcp_dir}: no tensor for {missing[:3]}; expected the dcp/ of a checkpoint of this config")
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    start = 0
+    for name, (shape, dtype) in sorted(names.items(), key=lambda kv: (-kv[1][1].itemsize, kv[0])):  # aligned
+        shape = tuple(saved[f"model.{name}"].size)
+        end = start + dtype.itemsize * int(torch.Size(shape).numel())
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [start, end]}
+        start = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for name in (k for k in header if k != "__metadata__"):
+            entry = header[name]
+            tensor = torch.empty(entry["shape"], dtype=names[name][1])
+            _load_here({"model": {name: tensor}}, dcp_dir)
+            f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+
+
+def consolidate_checkpoint(checkpoint: Path, cfg: RunConfig) -> Path:
+    """Write ``checkpoint``'s ``model.safetensors`` from its ``dcp/`` (``write_consolidated``),
+    under a temporary name renamed into place: a crash never leaves a partial weights file."""
+    file = checkpoint / WEIGHTS
+    if file.exists():
+        raise UsageError(f"{file}: already there; expected a checkpoint whose weights are only in {DCP_DIR}/")
+    if not (checkpoint / DCP_DIR).is_dir():
+        raise UsageError(f"{checkpoint}: has no {DCP_DIR}/; expected a checkpoint written by a parallel run")
+    tmp = checkpoint / f".{WEIGHTS}{TMP_TAG}{os.getpid()}"
+    try:
+        write_consolidated(checkpoint / DCP_DIR, cfg, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, file)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return file
+
+
+def load_into(model: nn.Module, checkpoint: Path) -> None:
+    """The weights of ``checkpoint``'s ``dcp/`` into the (one-process) ``model``, strictly,
+    read in place into its own tensors."""
+    _load_here({"model": model.state_dict()}, checkpoint / DCP_DIR)
+
+
+def dcp_weights(checkpoint: Path, cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """The weights of ``checkpoint``'s ``dcp/`` as one process's state dict (tied tables once)."""
+    state = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in weight_names(cfg).items()}
+    _load_here({"model": state}, checkpoint / DCP_DIR)
+    return state
 
 
 def full_optimizer_state(model: nn.Module, scratch: torch.optim.Optimizer, checkpoint: Path,
@@ -111,7 +203,9 @@ def full_optimizer_state(model: nn.Module, scratch: torch.optim.Optimizer, check
                          f"nor a sharded one in {checkpoint / DCP_DIR}; expected a checkpoint from `blockformer train`")
     loaded = {"optim": get_optimizer_state_dict(model, scratch)}  # zero moments: the shapes to read into
     _load_here(loaded, checkpoint / DCP_DIR)
-    saved_rows = row_order(model, state.get("parallel", {}).get("tp", 1))
+    if lays_out_rows_by_model(state):
+        return loaded["optim"]
+    saved_rows = row_order(model, state["parallel"]["tp"])  # an older checkpoint: dcp/ in the sharded order
     return _map_states(loaded["optim"], saved_rows.to_model)
 
 
@@ -127,7 +221,7 @@ def load_optimizer_state(par: Any, model: nn.Module, optimizer: torch.optim.Opti
 
 
 def _load_here(state: dict, dcp_dir: Path) -> None:
-    """Read ``state`` whole from ``dcp_dir`` in this process alone (no collective)."""
+    """Read ``state`` from ``dcp_dir`` in this process alone (no collective)."""
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent
         warnings.simplefilter("ignore", UserWarning)
         safe_load(state, Path(dcp_dir), no_dist=True)
@@ -138,4 +232,3 @@ def _map_states(osd: dict, f) -> dict:
     states = {name: {k: f(name, v) if torch.is_tensor(v) else v for k, v in s.items()}
               for name, s in osd["state"].items()}
     return {**osd, "state": states}
-

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import UsageError
+from .model_rows import ModelRowsPlanning
 
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
@@ -111,13 +112,18 @@ class _SafeReader(FileSystemReader):
         return self._metadata
 
 
-class _SafePlanner(DefaultLoadPlanner):
+class _SafePlanner(ModelRowsPlanning, DefaultLoadPlanner):
     """DefaultLoadPlanner whose bytes items are read with ``weights_only=True``: numbers,
-    strings, tensors and containers only."""
+    strings, tensors and containers only; reordered weights are read in the model's row
+    order (``model_rows.py``)."""
 
-    def __init__(self, dcp_dir: Path) -> None:
-        super().__init__()
+    def __init__(self, dcp_dir: Path, orders: dict[str, torch.Tensor] | None = None) -> None:
+        super().__init__(orders)
         self.dcp_dir = dcp_dir
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        chunk = self._chunk(index)
+        return super().lookup_tensor(index) if chunk is None else chunk
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         fqn = read_item.dest_index.fqn
@@ -131,12 +137,13 @@ class _SafePlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-def safe_load(state: dict, dcp_dir: Path, *, no_dist: bool) -> None:
-    """``dcp.load(state)`` from ``dcp_dir`` through the safe reader and planner; any failure
-    is one UsageError naming the directory."""
+def safe_load(state: dict, dcp_dir: Path, *, no_dist: bool, orders: dict[str, torch.Tensor] | None = None) -> None:
+    """``dcp.load(state)`` from ``dcp_dir`` through the safe reader and planner (``orders``:
+    the row orders of reordered tensors, ``model_rows.flat_row_orders``); any failure is
+    one UsageError naming the directory."""
     reader = _SafeReader(dcp_dir)
     try:
-        dcp.load(state, storage_reader=reader, planner=_SafePlanner(dcp_dir), no_dist=no_dist)
+        dcp.load(state, storage_reader=reader, planner=_SafePlanner(dcp_dir, orders), no_dist=no_dist)
     except CheckpointException as e:  # DCP gathers each rank's error, with its traceback
         first = next(iter(e.failures.values()))[0] if e.failures else e
         if isinstance(first, UsageError):

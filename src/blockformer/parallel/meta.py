@@ -210,10 +210,12 @@ def pending(model: nn.Module) -> bool:
     return model in _PENDING
 
 
-def wanted(cfg: Any, runtime: Any, resume: Any = None) -> bool:
-    """Whether a run builds on meta: a fresh parallel run that shards its weights (FSDP or TP),
-    without pipeline stages and without ``train.init_from`` (whose weights are loaded whole)."""
-    if not getattr(runtime, "parallel", False) or resume is not None or cfg.train.init_from:
+def wanted(cfg: Any, runtime: Any, loads_whole: bool = False) -> bool:
+    """Whether a run builds on meta: a parallel run that shards its weights (FSDP or TP),
+    without pipeline stages, that does not load whole weights into the model before sharding
+    it (``train.init_from``, or a resume from a one-process checkpoint: ``loads_whole``); a
+    resume from ``dcp/`` reads each rank's shards into the materialised model."""
+    if not getattr(runtime, "parallel", False) or loads_whole or cfg.train.init_from:
         return False
     d = runtime.degrees
     return d.pp == 1 and (d.dp_shard > 1 or d.tp > 1)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..run_config import RunConfig, TrainConfig
 from . import meta
 from .activation import apply_activation_checkpointing
-from .checkpoint import load_optimizer_state, load_sharded, save_sharded
+from .checkpoint import lays_out_rows_by_model, load_optimizer_state, load_sharded, save_sharded
 from .data import shard_batch
 from .fsdp import apply_ddp, apply_fsdp, blocks_of
 from .loss import loss_context
@@ -148,9 +148,12 @@ class Parallel:
         return bool(t)
 
     def reads_own_shards(self, state: dict[str, Any] | None) -> bool:
-        """Whether the checkpoint was written by ranks laid out as these: then each rank reads
-        only its own shards of the weights and optimizer state."""
-        return state is not None and state.get("parallel") == self.layout()
+        """Whether each rank reads only its own shards of the weights and optimizer state from
+        the checkpoint's ``dcp/``: any parallel run's in the model's row order, whatever its
+        layout, or an older one written by ranks laid out as these."""
+        if state is None or "parallel" not in state:
+            return False
+        return lays_out_rows_by_model(state) or state["parallel"] == self.layout()
 
     def save(self, directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
              cfg: RunConfig, trainer_state: dict[str, Any], write: Callable[..., Path]) -> Path:
@@ -159,8 +162,8 @@ class Parallel:
 
     def load_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path,
                        state: dict[str, Any], full: dict | None) -> None:
-        if full is None:  # our own layout: each rank reads its shards (the weights too)
-            load_sharded(model, optimizer, checkpoint)
+        if full is None:  # a sharded checkpoint: each rank reads its shards (the weights too)
+            load_sharded(self, model, optimizer, checkpoint)
         else:
             load_optimizer_state(self, model, optimizer, full)
 

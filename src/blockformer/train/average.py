@@ -20,9 +20,9 @@ import torch
 
 from ..errors import UsageError
 from ..models import build_model
-from ..paths import check_writable_dir
+from ..parallel.checkpoint import DCP_DIR, dcp_weights
+from ..paths import WEIGHTS, check_writable_dir
 from .checkpoint import (
-    WEIGHTS,
     load_tokenizer_for,
     read_config,
     resolve_checkpoint,
@@ -80,9 +80,13 @@ def average_state(files: Sequence[str | Path]) -> dict[str, torch.Tensor]:
 
 
 def read_weights(file: str | Path) -> dict[str, torch.Tensor]:
-    """A ``model.safetensors`` file's tensors; a missing, truncated or garbled file, or a
-    NaN or infinite weight, is a UsageError naming it (and the tensor)."""
-    if not Path(file).is_file():
+    """A ``model.safetensors`` file's tensors (or, where a parallel run left only ``dcp/``
+    beside it, that one's); a missing, truncated or garbled file, or a NaN or infinite
+    weight, is a UsageError naming it (and the tensor)."""
+    file = Path(file)
+    if not file.is_file() and (file.parent / DCP_DIR).is_dir():
+        return _finite(dcp_weights(file.parent, read_config(file.parent)), file.parent / DCP_DIR)
+    if not file.is_file():
         raise UsageError(f"{file}: weights file not found; expected a checkpoint's {WEIGHTS}")
     try:
         state = safetensors.torch.load_file(str(file))
@@ -90,6 +94,10 @@ def read_weights(file: str | Path) -> dict[str, torch.Tensor]:
         reason = " ".join(str(e).split()) or type(e).__name__
         raise UsageError(f"{file}: cannot read the weights ({reason}); expected a complete safetensors "
                          f"file as written by save_checkpoint") from None
+    return _finite(state, file)
+
+
+def _finite(state: dict[str, torch.Tensor], file: Path) -> dict[str, torch.Tensor]:
     for name, t in state.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise UsageError(f"{file}: tensor {name} holds NaN or infinite values; expected finite weights "

@@ -36,7 +36,8 @@ from torch import nn
 from ..errors import UsageError
 from ..models.heads import TaskModel
 from ..nn.lora import LORA_MARK, unload_lora
-from ..paths import TMP_TAG, TRASH_TAG
+from ..parallel.checkpoint import DCP_DIR, load_into
+from ..paths import TMP_TAG, TRASH_TAG, WEIGHTS
 from ..run_config import RunConfig
 from ..stats import size_estimate
 from ..textformats import loads_json
@@ -44,7 +45,7 @@ from ..tokenizers import load_tokenizer
 from .adapter import ADAPTER, HEAD, check_base_fingerprint, load_adapter_tensors, read_adapter_base, save_weights
 from .build import build_run_model
 
-CONFIG, WEIGHTS, TOKENIZER, STATE = "config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"
+CONFIG, TOKENIZER, STATE = "config.json", "tokenizer.json", "trainer_state.pt"
 BEST = "best"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -83,7 +84,7 @@ def step_dir_name(step: int) -> str:
 
 def save_checkpoint(
     directory: str | Path,
-    model: nn.Module,
+    model: nn.Module | None,
     tokenizer: Any,
     config: RunConfig,
     trainer_state: dict[str, Any] | None = None,
@@ -92,7 +93,8 @@ def save_checkpoint(
 ) -> Path:
     """Write a checkpoint to ``directory`` atomically (replacing one already there);
     ``extra_files`` (name -> text) are written inside it, and ``before_commit(tmp)`` may add
-    more to the temporary directory before it is renamed."""
+    more to the temporary directory before it is renamed (a parallel run's ``dcp/``, which
+    holds its weights: its ``model`` is None)."""
     directory = Path(directory)
     if directory.is_file():
         raise UsageError(f"{directory}: is a file; expected a checkpoint directory (or a new name)")
@@ -106,7 +108,8 @@ def save_checkpoint(
         text = json.dumps({**config.to_dict(), "tokenizer": meta}, indent=2) + "\n"
         (tmp / CONFIG).write_text(text, encoding="utf-8")
         try:  # save_model drops the duplicate names of tied tensors, which safetensors refuses
-            save_weights(unwrap(model), tmp, config, WEIGHTS)
+            if model is not None:
+                save_weights(unwrap(model), tmp, config, WEIGHTS)
         except safetensors.SafetensorError as e:  # a full disk surfaces here as a Rust I/O error
             raise OSError(errno.EIO, f"cannot write the weights ({str(e).splitlines()[0]})", str(tmp / WEIGHTS)) from None
         tokenizer.save(tmp)
@@ -206,7 +209,8 @@ def recover(run_dir: str | Path) -> list[Path]:
 
 
 def _complete(path: Path) -> bool:
-    return (path / CONFIG).is_file() and ((path / WEIGHTS).is_file() or (path / ADAPTER).is_file())
+    weights = (path / WEIGHTS, path / ADAPTER, path / DCP_DIR / ".metadata")
+    return (path / CONFIG).is_file() and any(f.is_file() for f in weights)
 
 
 def _fsync(path: Path) -> None:
@@ -321,10 +325,14 @@ def _read_json(path: str | Path) -> dict[str, Any]:
 
 
 def load_weights(model: nn.Module, path: str | Path, device: torch.device | str = "cpu") -> None:
-    """Load ``model.safetensors`` from checkpoint ``path`` into ``model`` (strictly)."""
+    """Load ``model.safetensors`` from checkpoint ``path`` into ``model`` (strictly), or, where
+    a parallel run left its weights in ``dcp/`` alone, those."""
     file = resolve_checkpoint(path) / WEIGHTS
     if not file.is_file() and (file.parent / ADAPTER).is_file():  # a LoRA run: base + adapter
         _load_adapter(unwrap(model), file.parent, read_config(file.parent), device)
+        return
+    if not file.is_file() and (file.parent / DCP_DIR).is_dir():
+        load_into(unwrap(model), file.parent)
         return
     if not file.is_file():
         raise UsageError(f"{file}: weights file not found")

@@ -212,7 +212,8 @@ def _start(cfg: RunConfig, run_dir: Path, runtime: Any, *, resume, overwrite: bo
         state = load_trainer_state(resume)
     else:
         torch.manual_seed(tc.seed)
-    built = build_run(cfg, device, tokenizer_from=resume, log=log, meta=meta_init_wanted(cfg, runtime, resume))
+    loads_whole = resume is not None and not runtime.reads_own_shards(state)  # else each rank reads its shards
+    built = build_run(cfg, device, tokenizer_from=resume, log=log, meta=meta_init_wanted(cfg, runtime, loads_whole))
     cfg = built.config  # model.vocab_size now set
     full_optim = _read_checkpoint(built.model, cfg, runtime, resume, state, device)
     model, fwd_model = parallel.parallelize(built.model, cfg, runtime, tc)  # model: this rank's parameters

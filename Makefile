@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install demo finetune-demo digits test test-avx2 test-fast bench clean
+.PHONY: install demo finetune-demo digits test test-avx2 test-fast bench gpu-check clean
 
 # torch is pinned and installed first: the CPU wheel on this machine's disk. Letting pip
 # resolve a bare `torch` would download a multi-GB CUDA build.
@@ -68,6 +68,11 @@ bench-speed: install
 	$(PY) benchmarks/bench_decode.py --threads 2 --dtype bf16 --batch 16 --skip nocache int8-cache int8-compiled int4-cache int4-compiled --out benchmarks/results/decode-bf16-batch16.md
 	$(PY) benchmarks/bench_long.py --threads 2
 	$(PY) benchmarks/profile_step.py --threads 2
+
+# On a machine with a GPU: training, bf16, flash attention, NCCL and decoding checked on CUDA, the
+# figures in benchmarks/results/gpu-check.md (the suite runs the same script on the CPU).
+gpu-check: install
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

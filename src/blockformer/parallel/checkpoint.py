@@ -116,18 +116,17 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float
 
 
 def weight_names(cfg: RunConfig) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """The tensors a checkpoint's weights hold, each tied table under its first name only
-    (as ``safetensors.torch.save_model`` keeps it): name -> (shape, dtype), from a model
-    built on the meta device (no storage)."""
+    """The tensors a checkpoint's weights hold, each tied table under one name, the one
+    ``safetensors.torch.save_model`` keeps (the first in sorted order): name -> (shape, dtype),
+    from a model built on the meta device (no storage)."""
     with torch.device("meta"):
         model = build_model(cfg.model)
-    seen: set[int] = set()
-    names = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            names[name] = (t.shape, t.dtype)
-    return names
+    tied: dict[int, list[str]] = {}
+    tensors = model.state_dict(keep_vars=True)
+    for name, t in tensors.items():
+        tied.setdefault(id(t), []).append(name)
+    kept = sorted(min(names) for names in tied.values())
+    return {name: (tensors[name].shape, tensors[name].dtype) for name in kept}
 
 
 def write_consolidated(dcp_dir: Path, cfg: RunConfig, file: Path) -> None:

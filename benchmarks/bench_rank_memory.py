@@ -1,0 +1,129 @@
+"""Peak memory per rank of a real sharded training run, 1 vs 2 vs 4 processes, beside the planner.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_rank_memory.py          # 1, 2 and 4 gloo ranks, FSDP
+
+Each rank trains a 75M-parameter Llama-shaped decoder (fp32, AdamW) for a few steps with
+``blockformer``'s own ``train`` (FSDP2 over ``dp_shard = N``, meta-device initialisation, a
+sharded checkpoint with its streamed ``model.safetensors`` at the end) and reports its peak
+resident memory (``ru_maxrss``) above what the process held once torch, the data and the
+process group were up. Beside it: ``blockformer info --world-size N``'s per-rank total
+(weights, gradients, AdamW moments, the gathered block, activations) for the same run, and
+the same run built whole on every rank before sharding (meta-device init off: what every
+rank did before issue 26). The batch is small, so the states dominate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+STEPS = 3
+OVERRIDES = [
+    "data.seq_len=64", "model.d_model=768", "model.n_layers=8", "model.n_heads=12", "model.n_kv_heads=12",
+    "model.d_ff=3072", "model.ffn=swiglu", "model.norm=rms", "model.position=rope", "model.bias=false",
+    "model.tie_embeddings=false", "model.max_seq_len=64", "train.batch_size=4", "train.grad_accum=1",
+    f"train.steps={STEPS}", "train.eval_every=0", "train.eval_batches=1", "train.samples=0", "train.progress=false",
+    "train.precision=fp32", "train.compile=false", "train.warmup=1",
+]
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def _run(tmp: Path, world: int, meta: bool) -> dict:
+    from blockformer.parallel import runtime  # noqa: PLC0415
+    from blockformer.run_config import load_run_config  # noqa: PLC0415
+    from blockformer.train import loop  # noqa: PLC0415
+
+    before_save = []
+    for kind in (runtime.Parallel, runtime.Local):
+        def save(self, *args, _save=kind.save, **kwargs):
+            before_save.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+            return _save(self, *args, **kwargs)
+        kind.save = save
+    if not meta:
+        loop.meta_init_wanted = lambda *a, **k: False  # the whole model on every rank, then sharded
+    cfg = load_run_config(overrides=[f"data.text={tmp / 'text.txt'}", f"data.cache_dir={tmp / 'cache'}", *OVERRIDES,
+                                     f"parallel.dp_shard={world}"])
+    if world > 1:
+        import torch.distributed as dist  # noqa: PLC0415
+        dist.barrier()
+    base = _rss_mib()
+    loop.train(cfg, tmp / f"run-{world}-{int(meta)}", log=lambda *a: None)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"base": base, "train": before_save[0], "peak": peak}
+
+
+def _worker(rank: int, world: int, port: int, tmp: str, meta: bool) -> None:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        got = _run(Path(tmp), world, meta)
+        Path(tmp, f"rank-{world}-{int(meta)}-{rank}.json").write_text(json.dumps(got))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(tmp: Path, world: int, meta: bool = True) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(world, port, str(tmp), meta), nprocs=world, start_method="spawn")
+    return [json.loads(Path(tmp, f"rank-{world}-{int(meta)}-{r}.json").read_text()) for r in range(world)]
+
+
+def planned(tmp: Path, world: int) -> dict:
+    from blockformer.parallel.plan import plan  # noqa: PLC0415
+    from blockformer.run_config import load_run_config  # noqa: PLC0415
+
+    cfg = load_run_config(overrides=[f"data.text={tmp / 'text.txt'}", *OVERRIDES, "model.vocab_size=256",
+                                     f"parallel.dp_shard={world}"])
+    return plan(cfg, world)
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        rng = torch.Generator().manual_seed(0)
+        letters = "abcdefghijklmnopqrstuvwxyz .,\n"
+        text = "".join(letters[i] for i in torch.randint(len(letters), (200_000,), generator=rng).tolist())
+        (tmp / "text.txt").write_text(text, encoding="utf-8")
+        p1 = planned(tmp, 1)
+        print(f"model: {p1['parameters']:,} parameters (fp32 weights + gradients + AdamW: "
+              f"{16 * p1['parameters'] / 2**20:,.0f} MiB whole); batch 4 x 64 tokens, {STEPS} steps + one checkpoint\n")
+        print("| ranks | layout | training: peak above start, per rank (MiB) | planner total/rank (MiB) "
+              "| measured / planner | with the checkpoint save (MiB) | built whole first: training (MiB) |")
+        print("| ---: | --- | --- | ---: | ---: | --- | --- |")
+        for world in (1, 2, 4):
+            if world == 1:  # one process: torch.multiprocessing keeps the same accounting
+                got = measure(tmp, 1)
+                whole = None
+            else:
+                got, whole = measure(tmp, world), measure(tmp, world, meta=False)
+            growth = [g["train"] - g["base"] for g in got]
+            saving = ", ".join(f"{g['peak'] - g['base']:.0f}" for g in got)
+            want = planned(tmp, world)["memory_bytes"]["total"] / 2**20
+            before = "-" if whole is None else ", ".join(f"{g['train'] - g['base']:.0f}" for g in whole)
+            print(f"| {world} | {'one process' if world == 1 else f'FSDP dp_shard={world}'} | "
+                  f"{', '.join(f'{g:.0f}' for g in growth)} | {want:.0f} | {max(growth) / want:.2f} | {saving} | {before} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,7 @@
 """Peak memory per rank of a real sharded training run, 1 vs 2 vs 4 processes, beside the planner.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_rank_memory.py          # 1, 2 and 4 gloo ranks, FSDP
+    OMP_NUM_THREADS=1 python benchmarks/bench_rank_memory.py          # 1, 2, 4 and 8 gloo ranks, FSDP
+    MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1 python benchmarks/bench_rank_memory.py   # freed memory returned
 
 Each rank trains a 75M-parameter Llama-shaped decoder (fp32, AdamW) for a few steps with
 ``blockformer``'s own ``train`` (FSDP2 over ``dp_shard = N``, meta-device initialisation, a
@@ -9,7 +10,10 @@ resident memory (``ru_maxrss``) above what the process held once torch, the data
 process group were up. Beside it: ``blockformer info --world-size N``'s per-rank total
 (weights, gradients, AdamW moments, the gathered block, activations) for the same run, and
 the same run built whole on every rank before sharding (meta-device init off: what every
-rank did before issue 26). The batch is small, so the states dominate.
+rank did before issue 26). The batch is small, so the states dominate. glibc keeps freed
+memory for reuse, so a rank's resident peak runs above what its tensors ever held at once;
+with ``MALLOC_MMAP_THRESHOLD_=65536`` large blocks go back to the system when freed and the
+peak follows the tensors.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ STEPS = 3
 OVERRIDES = [
     "data.seq_len=64", "model.d_model=768", "model.n_layers=8", "model.n_heads=12", "model.n_kv_heads=12",
     "model.d_ff=3072", "model.ffn=swiglu", "model.norm=rms", "model.position=rope", "model.bias=false",
-    "model.tie_embeddings=false", "model.max_seq_len=64", "train.batch_size=4", "train.grad_accum=1",
+    "model.tie_embeddings=false", "model.max_seq_len=64", "train.batch_size=8", "train.grad_accum=1",
     f"train.steps={STEPS}", "train.eval_every=0", "train.eval_batches=1", "train.samples=0", "train.progress=false",
     "train.precision=fp32", "train.compile=false", "train.warmup=1",
 ]
@@ -99,6 +103,11 @@ def planned(tmp: Path, world: int) -> dict:
 
 
 def main() -> None:
+    import argparse  # noqa: PLC0415
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worlds", default="1,2,4,8", help="process counts, comma-separated")
+    worlds = [int(w) for w in p.parse_args().worlds.split(",")]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         rng = torch.Generator().manual_seed(0)
@@ -107,11 +116,12 @@ def main() -> None:
         (tmp / "text.txt").write_text(text, encoding="utf-8")
         p1 = planned(tmp, 1)
         print(f"model: {p1['parameters']:,} parameters (fp32 weights + gradients + AdamW: "
-              f"{16 * p1['parameters'] / 2**20:,.0f} MiB whole); batch 4 x 64 tokens, {STEPS} steps + one checkpoint\n")
+              f"{16 * p1['parameters'] / 2**20:,.0f} MiB whole); batch 8 x 64 tokens, {STEPS} steps + one checkpoint; "
+              f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}\n")
         print("| ranks | layout | training: peak above start, per rank (MiB) | planner total/rank (MiB) "
               "| measured / planner | with the checkpoint save (MiB) | built whole first: training (MiB) |")
         print("| ---: | --- | --- | ---: | ---: | --- | --- |")
-        for world in (1, 2, 4):
+        for world in worlds:
             if world == 1:  # one process: torch.multiprocessing keeps the same accounting
                 got = measure(tmp, 1)
                 whole = None

@@ -1,6 +1,7 @@
 """The step's communication, counted on 2 gloo processes: under gradient accumulation only the
 last micro-batch's backward reduces gradients (FSDP2: one reduce-scatter per unit per step;
-DDP: one bucketed all-reduce pass), the global gradient norm is one all-reduce, and AdamW's
+DDP: one bucketed all-reduce pass), the global gradient norm is one all-reduce per group of
+shards, and AdamW's
 foreach/fused kernels on DTensor parameters make no collective; losses, norms and weights
 equal those of syncing every micro-batch, of the per-tensor AdamW and of one process."""
 
@@ -204,6 +205,15 @@ def test_ddp_accumulation_all_reduces_the_buckets_once_per_step(runs):
     buckets = runs["ddp"]["counts"]["backward"]["ddp bucket"]
     assert buckets >= 1 and runs["ddp_before"]["counts"]["backward"]["ddp bucket"] == ACCUM * buckets
     _same(runs["ddp"], runs["ddp_before"], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_gradient_norm_is_one_all_reduce_per_shard_group_not_one_per_parameter(runs):
+    # FSDP: every gradient is a Shard(0) of the same mesh: one all-reduce; DDP: already all-reduced,
+    # none; TP: one for the Partial norm gains (summed in one batch) and one for the sharded rest
+    assert runs["fsdp"]["counts"]["norm"] == {"all_reduce": 1}
+    assert runs["ddp"]["counts"]["norm"] == {}
+    assert runs["tp"]["counts"]["norm"] == {"all_reduce": 2}
 
 
 @pytest.mark.slow

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..run_config import RunConfig, TrainConfig
 from . import meta
@@ -200,19 +201,30 @@ class Parallel:
         return t
 
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        """Clip by the norm of all gradients of the model, whatever shard each rank holds: each
-        DTensor gradient's squared norm is reduced over its own mesh (``full_tensor``), then
-        summed over the pipeline stages. TP's Partial gradients are first summed in one batch
-        (``_sum_partial_grads``). One reduction for the whole norm (local squares weighted by
-        how many ranks hold each shard) gave FSDP x TP and TP runs other losses than one
-        process's, so it is not used."""
+        """Clip by the norm of all gradients of the model, whatever shard each rank holds. TP's
+        Partial gradients are first summed in one batch (``_sum_partial_grads``); then each
+        rank adds up the squares of its local shards, grouped by the mesh dimensions the
+        shards are split over, and each group's sum is all-reduced over those dimensions
+        once (a replicated gradient is not reduced at all): one all-reduce per group, where
+        reducing each DTensor's norm (``full_tensor``) made one per parameter. The squares are
+        summed over the pipeline stages last."""
         _sum_partial_grads(params)
-        squares = torch.zeros((), device=self.device, dtype=torch.float32)
+        sums: dict[tuple, torch.Tensor] = {}
         for p in params:
-            if p.grad is None:
+            g = p.grad
+            if g is None:
                 continue
-            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
-            squares += sq.full_tensor() if isinstance(sq, DTensor) else sq
+            key: tuple = (None, ())
+            if isinstance(g, DTensor):
+                key = (g.device_mesh, tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, SHARDS)))
+                g = g.to_local()
+            sq = torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+            sums[key] = sums[key] + sq if key in sums else sq
+        squares = torch.zeros((), device=self.device, dtype=torch.float32)
+        for (mesh, dims), sq in sums.items():
+            for i in dims:
+                dist.all_reduce(sq, group=mesh.get_group(i))
+            squares += sq
         if self.degrees.pp > 1:  # each stage holds different parameters
             dist.all_reduce(squares, group=self.mesh["pp"].get_group())
         total = squares.sqrt()
@@ -242,6 +254,10 @@ class Parallel:
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+# FSDP's shard of a tensor-parallel weight is a _StridedShard, which is not a Shard (torch 2.13)
+SHARDS = (Shard, _StridedShard)
 
 
 def _sum_partial_grads(params: list[torch.Tensor]) -> None:

@@ -3,7 +3,9 @@ continues as if uninterrupted; the consolidated weights load on one process."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import safetensors.torch
 import torch
 
 from blockformer.cli import main as cli
+from blockformer.errors import UsageError
 from blockformer.parallel import dcp_reader
 from blockformer.parallel.checkpoint import DCP_DIR, dcp_weights
 from blockformer.train import loop
@@ -117,6 +120,13 @@ def test_a_sharded_checkpoint_resumes_into_another_layout_each_rank_reading_its_
     # the losses of an uninterrupted run
     assert_same_run(tmp_path, "run", ref[2:], read_json(tmp_path / "run-resumed.json"), step=4)
     # `convert --consolidate` writes model.safetensors from dcp/: the weights a one-process run reaches
+    edited = tmp_path / "edited"  # a config.json claiming far more than dcp/ holds is refused before building
+    shutil.copytree(ckpt, edited)
+    config = json.loads((edited / "config.json").read_text())
+    config["model"]["n_layers"] = 10**6
+    (edited / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError, match="describes a model of .* parameters but .*dcp holds"):
+        read_config(edited)
     assert cli(["convert", "--consolidate", str(ckpt)]) == 0
     written = safetensors.torch.load_file(str(ckpt / "model.safetensors"))
     held = model.state_dict()
@@ -126,3 +136,15 @@ def test_a_sharded_checkpoint_resumes_into_another_layout_each_rank_reading_its_
     for name, tensor in written.items():
         assert torch.equal(tensor, held[name]), name
     assert cli(["convert", "--consolidate", str(ckpt)]) == 2  # already there: one line, the file kept
+
+
+def test_convert_consolidate_refuses_in_one_line(tmp_path, capsys):
+    one = train(lm_config(tmp_path, "train.steps=1"), tmp_path / "one", **QUIET).checkpoint
+    for argv, words in ((["--consolidate", str(one)], "has no dcp/"),  # a one-process checkpoint: nothing to do
+                        (["--consolidate", str(one), "--out", str(tmp_path / "x")], "--out: not with --consolidate"),
+                        (["--consolidate", str(tmp_path / "none")], "none")):
+        capsys.readouterr()
+        assert cli(["convert", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert words in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "x").exists()

@@ -88,12 +88,15 @@ def save_sharded(
     return directory
 
 
-def load_sharded(par: Any, model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+def load_sharded(par: Any, model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path,
+                 model_rows: bool = True) -> None:
     """Every rank reads its shards of the weights and optimizer state from ``dcp/`` (a
-    collective), whatever layout wrote them."""
+    collective), whatever layout wrote them; ``model_rows=False``: an older checkpoint, whose
+    ``dcp/`` holds the reordered rows as they were sharded (read back on the same layout only)."""
     state = _sharded_state(model, optimizer)
     groups = [g["params"] for g in state["optim"]["param_groups"]]  # this rank's names (a pipeline stage's)
-    safe_load(state, checkpoint / DCP_DIR, no_dist=False, orders=flat_row_orders(state, par.rows))
+    orders = flat_row_orders(state, par.rows) if model_rows else None
+    safe_load(state, checkpoint / DCP_DIR, no_dist=False, orders=orders)
     for group, names in zip(state["optim"]["param_groups"], groups):
         group["params"] = names  # the saved groups' hyperparameters, with the parameters held here
     set_model_state_dict(model, state["model"])
@@ -139,11 +142,11 @@ def write_consolidated(dcp_dir: Path, cfg: RunConfig, file: Path) -> None:
     missing = [n for n in names if f"model.{n}" not in saved]
     if missing:
         raise UsageError(f"{dcp_dir}: no tensor for {missing[:3]}; expected the dcp/ of a checkpoint of this config")
+    tensors = {n: (saved[f"model.{n}"].size, saved[f"model.{n}"].properties.dtype) for n in names}  # as saved
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     start = 0
-    for name, (shape, dtype) in sorted(names.items(), key=lambda kv: (-kv[1][1].itemsize, kv[0])):  # aligned
-        shape = tuple(saved[f"model.{name}"].size)
-        end = start + dtype.itemsize * int(torch.Size(shape).numel())
+    for name, (shape, dtype) in sorted(tensors.items(), key=lambda kv: (-kv[1][1].itemsize, kv[0])):  # aligned
+        end = start + dtype.itemsize * shape.numel()
         header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [start, end]}
         start = end
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -151,8 +154,7 @@ def write_consolidated(dcp_dir: Path, cfg: RunConfig, file: Path) -> None:
     with open(file, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
         for name in (k for k in header if k != "__metadata__"):
-            entry = header[name]
-            tensor = torch.empty(entry["shape"], dtype=names[name][1])
+            tensor = torch.empty(tensors[name][0], dtype=tensors[name][1])
             _load_here({"model": {name: tensor}}, dcp_dir)
             f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
 
@@ -161,10 +163,10 @@ def consolidate_checkpoint(checkpoint: Path, cfg: RunConfig) -> Path:
     """Write ``checkpoint``'s ``model.safetensors`` from its ``dcp/`` (``write_consolidated``),
     under a temporary name renamed into place: a crash never leaves a partial weights file."""
     file = checkpoint / WEIGHTS
-    if file.exists():
-        raise UsageError(f"{file}: already there; expected a checkpoint whose weights are only in {DCP_DIR}/")
     if not (checkpoint / DCP_DIR).is_dir():
         raise UsageError(f"{checkpoint}: has no {DCP_DIR}/; expected a checkpoint written by a parallel run")
+    if file.exists():
+        raise UsageError(f"{file}: already there; expected a checkpoint whose weights are only in {DCP_DIR}/")
     tmp = checkpoint / f".{WEIGHTS}{TMP_TAG}{os.getpid()}"
     try:
         write_consolidated(checkpoint / DCP_DIR, cfg, tmp)
@@ -174,6 +176,16 @@ def consolidate_checkpoint(checkpoint: Path, cfg: RunConfig) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return file
+
+
+def dcp_parameter_count(checkpoint: Path) -> int | None:
+    """How many weights ``checkpoint``'s ``dcp/`` holds, from its metadata alone (None when
+    it cannot be read: the load that follows names the damage)."""
+    try:
+        saved = read_metadata(checkpoint / DCP_DIR).state_dict_metadata
+    except UsageError:
+        return None
+    return sum(md.size.numel() for k, md in saved.items() if k.startswith("model.") and hasattr(md, "size"))
 
 
 def load_into(model: nn.Module, checkpoint: Path) -> None:

@@ -68,7 +68,8 @@ def flat_row_orders(state: dict[str, Any], rows: RowOrder) -> dict[str, torch.Te
     orders = {f"model.{name}": rows.orders[name] for name in state["model"] if name in rows.orders}
     for name, moments in state["optim"]["state"].items():
         if name in rows.orders:
-            orders.update({f"optim.state.{name}.{k}": rows.orders[name] for k, v in moments.items() if v.dim() > 0})
+            orders.update({f"optim.state.{name}.{k}": rows.orders[name] for k, v in moments.items()
+                           if torch.is_tensor(v) and v.dim() > 0})
     return orders
 
 

@@ -164,7 +164,7 @@ class Parallel:
     def load_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path,
                        state: dict[str, Any], full: dict | None) -> None:
         if full is None:  # a sharded checkpoint: each rank reads its shards (the weights too)
-            load_sharded(self, model, optimizer, checkpoint)
+            load_sharded(self, model, optimizer, checkpoint, model_rows=lays_out_rows_by_model(state))
         else:
             load_optimizer_state(self, model, optimizer, full)
 

@@ -36,7 +36,7 @@ from torch import nn
 from ..errors import UsageError
 from ..models.heads import TaskModel
 from ..nn.lora import LORA_MARK, unload_lora
-from ..parallel.checkpoint import DCP_DIR, load_into
+from ..parallel.checkpoint import DCP_DIR, dcp_parameter_count, load_into
 from ..paths import TMP_TAG, TRASH_TAG, WEIGHTS
 from ..run_config import RunConfig
 from ..stats import size_estimate
@@ -298,13 +298,18 @@ def _check_size_against_weights(config: RunConfig, path: Path) -> None:
     run for hours or exhaust the memory. Only the file's header is read; a damaged file is
     left to ``load_weights``, which names the damage; a LoRA run (no weights file) is skipped."""
     file = path / WEIGHTS
-    if not file.is_file():
+    if not file.is_file() and (path / DCP_DIR).is_dir():  # a parallel run's shards alone: their metadata
+        file, held = path / DCP_DIR, dcp_parameter_count(path)
+        if held is None:
+            return
+    elif not file.is_file():
         return
-    try:
-        with safetensors.safe_open(str(file), framework="pt") as f:
-            held = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-    except Exception:  # noqa: BLE001 - the Rust side raises several types for a damaged header
-        return
+    else:
+        try:
+            with safetensors.safe_open(str(file), framework="pt") as f:
+                held = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        except Exception:  # noqa: BLE001 - the Rust side raises several types for a damaged header
+            return
     expected = size_estimate(config.model, 1, 1)["parameters"]
     if expected > 2 * held + 2**20:  # a loose bound: heads, tied and LoRA weights shift the counts a little
         raise UsageError(f"{path / CONFIG}: describes a model of {expected:,} parameters but {file} holds "

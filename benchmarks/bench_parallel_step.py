@@ -1,6 +1,7 @@
 """Step time of FSDP2 and DDP on 2 gloo processes, before and after issue 26 item 5, in one run:
-gradients reduced on every micro-batch against only the last, and AdamW per-tensor against
-foreach and fused on the DTensor shards.
+gradients reduced on every micro-batch against only the last, AdamW per-tensor against
+foreach and fused on the DTensor shards, and the gradient norm reduced per parameter against
+once per group of shards.
 
     python benchmarks/bench_parallel_step.py                  # d_model 256, 4 layers, accumulation 4
     python benchmarks/bench_parallel_step.py --steps 3 --rounds 1 --d-model 64   # smoke
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import socket
 import statistics
@@ -24,14 +26,41 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = [  # name, layout, sync every micro-batch, AdamW kernel
-    ("FSDP  before: sync every micro-batch, per-tensor AdamW", "parallel.dp_shard=2", True, "per-tensor"),
-    ("FSDP  sync last micro-batch,  per-tensor AdamW", "parallel.dp_shard=2", False, "per-tensor"),
-    ("FSDP  sync last micro-batch,  foreach AdamW", "parallel.dp_shard=2", False, "foreach"),
-    ("FSDP  after: sync last micro-batch, fused AdamW", "parallel.dp_shard=2", False, "fused"),
-    ("DDP   sync every micro-batch", "parallel.dp_replicate=2", True, "fused"),
-    ("DDP   sync last micro-batch", "parallel.dp_replicate=2", False, "fused"),
+VARIANTS = [  # name, layout, sync every micro-batch, AdamW kernel, gradient norm
+    ("FSDP  before: sync every micro-batch, per-tensor AdamW, per-parameter norm", "parallel.dp_shard=2", True,
+     "per-tensor", "per-parameter"),
+    ("FSDP  sync last micro-batch,  per-tensor AdamW", "parallel.dp_shard=2", False, "per-tensor", "grouped"),
+    ("FSDP  sync last micro-batch,  foreach AdamW", "parallel.dp_shard=2", False, "foreach", "grouped"),
+    ("FSDP  after: sync last micro-batch, fused AdamW, grouped norm", "parallel.dp_shard=2", False, "fused", "grouped"),
+    ("FSDP  after, but the per-parameter norm", "parallel.dp_shard=2", False, "fused", "per-parameter"),
+    ("DDP   sync every micro-batch", "parallel.dp_replicate=2", True, "fused", "grouped"),
+    ("DDP   sync last micro-batch", "parallel.dp_replicate=2", False, "fused", "grouped"),
+    ("TP    grouped norm", "parallel.tp=2", False, "fused", "grouped"),
+    ("TP    per-parameter norm", "parallel.tp=2", False, "fused", "per-parameter"),
 ]
+
+
+def per_parameter_norm(runtime, params, max_norm: float):
+    """The gradient norm as it was before: each DTensor gradient's square reduced on its own."""
+    import torch  # noqa: PLC0415
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    from blockformer.parallel.runtime import _sum_partial_grads  # noqa: PLC0415
+
+    _sum_partial_grads(params)
+    squares = torch.zeros(())
+    for p in params:
+        if p.grad is not None:
+            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+            squares += sq.full_tensor() if isinstance(sq, DTensor) else sq
+    total = squares.sqrt()
+    groups = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm if max_norm > 0 else float("inf"), total)
+    return total
 
 
 def overrides(args) -> list[str]:
@@ -74,11 +103,12 @@ def _worker(rank: int, args, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     runs = []
-    for i, (name, layout, every, kernel) in enumerate(VARIANTS):
+    for i, (name, layout, every, kernel, norm) in enumerate(VARIANTS):
         cfg, runtime, model, fwd, objective, optimizer = _setup(args, layout, kernel, every)
-        adamw = optimizer.step
+        if norm == "per-parameter":
+            runtime.grad_norm = functools.partial(per_parameter_norm, runtime)
         runs.append({"name": name, "every": every, "setup": (cfg, runtime, model, fwd, objective, optimizer),
-                     "adamw": adamw, "steps": [], "opt": []})
+                     "adamw": optimizer.step, "norm": runtime.grad_norm, "steps": [], "opt": [], "norms": []})
     scaler = torch.amp.GradScaler("cpu", enabled=False)
 
     def one_step(run, timed: bool) -> None:
@@ -92,7 +122,14 @@ def _worker(rank: int, args, port: int) -> None:
             opt_times.append(time.perf_counter() - t)
             return out
 
-        optimizer.step = timed_adamw
+        def timed_norm(*a, **k):
+            t = time.perf_counter()
+            out = run["norm"](*a, **k)
+            norm_times.append(time.perf_counter() - t)
+            return out
+
+        norm_times = []
+        optimizer.step, runtime.grad_norm = timed_adamw, timed_norm
         batches = [objective.next_batch() for _ in range(cfg.train.grad_accum)]
         dist.barrier()
         t0 = time.perf_counter()
@@ -102,6 +139,7 @@ def _worker(rank: int, args, port: int) -> None:
         if timed:
             run["steps"].append(time.perf_counter() - t0)
             run["opt"].extend(opt_times)
+            run["norms"].extend(norm_times)
 
     for run in runs:
         one_step(run, timed=False)  # optimizer state allocated, first-call costs paid
@@ -110,18 +148,21 @@ def _worker(rank: int, args, port: int) -> None:
             for _ in range(args.steps):
                 one_step(run, timed=True)
     if rank == 0:
-        med = {r["name"]: (statistics.median(r["steps"]), statistics.median(r["opt"])) for r in runs}
+        med = {r["name"]: (statistics.median(r["steps"]), statistics.median(r["opt"]), statistics.median(r["norms"]))
+               for r in runs}
         print(f"{args.d_model=} {args.layers=} {args.seq_len=} {args.batch=} accum={args.accum}, 2 gloo processes, "
               f"{args.rounds} rounds x {args.steps} steps per variant, interleaved")
-        print(f"{'variant':76s} {'step ms':>9s} {'AdamW ms':>9s}")
-        for name, (s, o) in med.items():
-            print(f"{name:76s} {1e3 * s:9.1f} {1e3 * o:9.2f}")
+        print(f"{'variant':76s} {'step ms':>9s} {'AdamW ms':>9s} {'norm ms':>9s}")
+        for name, (s, o, n) in med.items():
+            print(f"{name:76s} {1e3 * s:9.1f} {1e3 * o:9.2f} {1e3 * n:9.2f}")
         v = [med[r["name"]] for r in runs]
         print(f"FSDP sync every / last micro-batch (per-tensor AdamW):  step x{v[0][0] / v[1][0]:.2f}")
         print(f"FSDP AdamW per-tensor / foreach:  AdamW x{v[1][1] / v[2][1]:.2f}, step x{v[1][0] / v[2][0]:.2f}")
         print(f"FSDP AdamW per-tensor / fused:  AdamW x{v[1][1] / v[3][1]:.2f}, step x{v[1][0] / v[3][0]:.2f}")
         print(f"FSDP before / after (both changes):  step x{v[0][0] / v[3][0]:.2f}")
-        print(f"DDP sync every / last micro-batch:  step x{v[4][0] / v[5][0]:.2f}")
+        print(f"DDP sync every / last micro-batch:  step x{v[5][0] / v[6][0]:.2f}")
+        print(f"FSDP norm per-parameter / grouped:  norm x{v[4][2] / v[3][2]:.2f}, step x{v[4][0] / v[3][0]:.2f}")
+        print(f"TP norm per-parameter / grouped:  norm x{v[8][2] / v[7][2]:.2f}, step x{v[8][0] / v[7][0]:.2f}")
     dist.barrier()
     dist.destroy_process_group()
 

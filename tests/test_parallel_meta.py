@@ -87,7 +87,8 @@ def _sharded_weights_on_rank(rank: int, tmp: str, layout: str) -> None:
 
     local = [(p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in model.parameters()]
     result = {"local": sum(local), "share": sum(share(p) for p in model.parameters()),
-              "total": sum(p.numel() * 4 for p in ref.parameters()), "mismatched": []}
+              "total": sum(p.numel() * 4 for p in ref.parameters()), "mismatched": [],
+              "stage": sum(ref.get_parameter(n).numel() * 4 for n, _ in model.named_parameters())}
     for name, p in model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
         if not torch.equal(par.rows.to_model(name, full), ref.get_parameter(name).detach()):
@@ -97,20 +98,22 @@ def _sharded_weights_on_rank(rank: int, tmp: str, layout: str) -> None:
 
 
 def _both_layouts(rank: int, tmp: str) -> None:
-    for layout in ("parallel.dp_shard=2", "parallel.tp=2"):
+    for layout in ("parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2"):
         _sharded_weights_on_rank(rank, tmp, layout)
 
 
 def test_meta_initialised_fsdp_and_tp_shards_gather_to_the_one_process_weights(tmp_path):
     run_ranks(2, _both_layouts, str(tmp_path))
-    for layout in ("parallel.dp_shard=2", "parallel.tp=2"):
+    for layout in ("parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2"):
         r = read_json(tmp_path / f"{layout}.json")
         assert r["mismatched"] == [], layout
         assert r["local"] == r["share"], layout  # each rank allocated its shards only (shapes divide evenly)
         if layout == "parallel.dp_shard=2":  # FSDP: every parameter split in two
             assert r["local"] == r["total"] / 2
-        else:  # TP: the matmuls and tables split, the norms whole
+        elif layout == "parallel.tp=2":  # TP: the matmuls and tables split, the norms whole
             assert r["total"] / 2 < r["local"] < 0.6 * r["total"]
+        else:  # PP: rank 0 holds the embedding and the first block, not the second block and the head
+            assert r["local"] == r["stage"] < 0.75 * r["total"]
 
 
 def _train_both_ways(rank: int, tmp: str) -> None:

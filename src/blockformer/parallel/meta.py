@@ -211,14 +211,22 @@ def pending(model: nn.Module) -> bool:
 
 
 def wanted(cfg: Any, runtime: Any, loads_whole: bool = False) -> bool:
-    """Whether a run builds on meta: a parallel run that shards its weights (FSDP or TP),
-    without pipeline stages, that does not load whole weights into the model before sharding
-    it (``train.init_from``, or a resume from a one-process checkpoint: ``loads_whole``); a
+    """Whether a run builds on meta: a parallel run that splits its weights (FSDP, TP, or
+    pipeline stages: a rank fills in its own stages' only), that does not load whole weights
+    into the model before splitting it (``train.init_from``, or a resume from a one-process checkpoint: ``loads_whole``); a
     resume from ``dcp/`` reads each rank's shards into the materialised model."""
     if not getattr(runtime, "parallel", False) or loads_whole or cfg.train.init_from:
         return False
     d = runtime.degrees
-    return d.pp == 1 and (d.dp_shard > 1 or d.tp > 1)
+    return d.pp > 1 or d.dp_shard > 1 or d.tp > 1
+
+
+def hand_over(built: nn.Module, holder: nn.Module) -> None:
+    """The pending replay of ``built`` (a meta build) moves to ``holder``, a module made of some
+    of its parts under the same names (a pipeline rank's stages): ``materialize(holder)``
+    fills in those parts, and the draws of the rest are made and discarded."""
+    if built in _PENDING:
+        _PENDING[holder] = _PENDING.pop(built)
 
 
 def materialize(model: nn.Module, device: torch.device | str, rows: Any = None) -> InitLog:
@@ -257,4 +265,4 @@ def materialize(model: nn.Module, device: torch.device | str, rows: Any = None) 
     return log
 
 
-__all__ = ["InitLog", "build_on_meta", "materialize", "pending", "wanted"]
+__all__ = ["InitLog", "build_on_meta", "hand_over", "materialize", "pending", "wanted"]

@@ -322,7 +322,8 @@ def parallelize(
     if d.pp > 1:
         n_micro = pc.pp_microbatches or 2 * d.pp
         check_microbatches(tc.batch_size // d.dp, n_micro)
-        model = build_pipeline(model, par, pc.pp_schedule, n_micro)
+        built, model = model, build_pipeline(model, par, pc.pp_schedule, n_micro)
+        meta.hand_over(built, model)  # a meta build: this rank fills in its own stages only
         roots = model.stages
     if d.tp > 1:
         par.rows = apply_tp(model, par.mesh["tp"], d.tp)

@@ -90,6 +90,30 @@ def test_paged_attention_logits_equal_the_contiguous_cache():
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["rope", "alibi", "relative", "mqa-window", "moe"])
+def test_a_packed_call_of_decodes_and_prefill_chunks_equals_a_plain_forward(variant):
+    """One packed call: two decoding rows, two 3-token chunks (one segment) and a 5-token
+    chunk after a past of its own, every row's past in scattered blocks; each row's logits
+    equal a plain forward pass over its whole sequence so far."""
+    model = make(**VARIANTS[variant])
+    blocks, pool = BlockManager(64, 4), PagedPool(model, 64, 4)
+    runner, seqs = ModelRunner(model, pool), prompts(5, seed=4)
+    seqs = [s + [5, 6, 7, 8, 9] for s in seqs]  # each has at least 6 tokens
+    tables = [BlockTable() for _ in seqs]
+    blocks.grow(BlockTable(), 9)
+    for t, s in zip(tables, seqs):
+        blocks.grow(t, len(s))
+    new = [1, 3, 1, 5, 3]  # decodes and chunks interleaved: the runner orders them into segments
+    past = [len(s) - n for s, n in zip(seqs, new)]
+    runner.run_packed([RowInput(s[:n], 0, blocks.slots(t, 0, 0), blocks.slots(t, 0, n))
+                       for s, t, n in zip(seqs, tables, past)])
+    logits = runner.run_packed([RowInput(s[n:], n, blocks.slots(t, 0, n), blocks.slots(t, n, len(s)))
+                                for s, t, n in zip(seqs, tables, past)])
+    with torch.no_grad():
+        ref = torch.stack([model(torch.tensor([s]))[0, -1] for s in seqs])
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_a_prefix_cache_hit_skips_prefill_and_changes_no_token():
     model, ps = make(), prompts(6, shared=21)
     llm = LLM(model, TOK, block_size=4)

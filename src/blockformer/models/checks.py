@@ -241,4 +241,7 @@ def check_cache(cache: object, cache_pos: object, tokens: torch.Tensor, name: st
     if tuple(cache_pos.shape) != (tokens.shape[1],):
         raise UsageError(f"cache_pos: shape {tuple(cache_pos.shape)}; expected ({tokens.shape[1]},), one slot per "
                          f"token")
-    check_batch(tokens, cache.valid.shape[0], name, "the cache (new_cache(batch_size, ...))")
+    if cache.segments is not None:  # sequences packed side by side: one row
+        check_batch(tokens, 1, name, "a cache that packs sequences into one row")
+    else:
+        check_batch(tokens, cache.valid.shape[0], name, "the cache (new_cache(batch_size, ...))")

@@ -12,7 +12,24 @@ windows, so decoding can run past ``max_seq_len`` in bounded memory.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class Segment:
+    """Some sequences of a packed call: new tokens ``[start, start + rows * tokens)`` of the
+    one input row, read as ``rows`` sequences of ``tokens`` each. Their keys are ``S`` slots
+    per sequence: ``cache_pos`` (tokens,) the slots of the new tokens, ``k_pos``/``k_valid``
+    (rows, S) each slot's position id and whether it holds a real token."""
+
+    start: int
+    rows: int
+    tokens: int
+    cache_pos: torch.Tensor
+    k_pos: torch.Tensor
+    k_valid: torch.Tensor
 
 
 class KVCache:
@@ -22,7 +39,13 @@ class KVCache:
     unwritten slots do not), ``pos[b, s]`` the position id of that token (the position
     signals read it). Cross-attention keys/values are computed once, from the encoder
     output, on the first call that passes ``memory``.
+
+    A cache with ``segments`` (a server's view of its paged pool) packs several sequences
+    into one row of new tokens: the projections and FFNs run on every token at once, and
+    attention runs per segment, on the keys ``update_segments`` returns.
     """
+
+    segments: list[Segment] | None = None
 
     def __init__(
         self,

@@ -52,28 +52,37 @@ class Stack(nn.Module):
 
     def _self_inputs(self, positions, attention_mask, cache, cache_pos) -> AttnInputs:
         rope = self.rotary(positions) if self.rotary is not None else None
+        if cache is not None and not self.causal:
+            raise ValueError("a KV cache needs a causal stack")
+        if cache is not None and cache.segments is not None:  # sequences packed in one row: a mask each
+            masks = [self._mask(positions[0, s.start : s.start + s.rows * s.tokens].view(s.rows, s.tokens),
+                                s.k_pos, s.k_valid, _written(s.cache_pos, s.k_pos.shape[1]))
+                     for s in cache.segments]
+            return AttnInputs(rope=rope, cache=cache, segment_masks=masks)
         if cache is None:
-            k_pos, k_valid = positions, attention_mask
+            k_pos, k_valid, causal = positions, attention_mask, None
         else:
-            if not self.causal:
-                raise ValueError("a KV cache needs a causal stack")
             if self.window:
                 _check_ring(cache, cache_pos, self.window)
             cache.record(cache_pos, positions, attention_mask)
             span = cache.span  # the slots attention reads
             k_pos, k_valid = cache.pos[:, :span], cache.valid[:, :span]
-            slots = torch.arange(span, device=positions.device)
-            causal = cache_pos[:, None] >= slots[None, :]  # (T, S): slots written so far
-        if self.window:
-            causal = _window(positions, k_pos, self.window, self.causal)  # (B, Tq, Tk)
-        bias = self.bias(positions, k_pos) if self.bias is not None else None  # (B, H, Tq, Tk)
-        if cache is None and attention_mask is None and bias is None and not self.window:
+            causal = _written(cache_pos, span)
+        if cache is None and attention_mask is None and self.bias is None and not self.window:
             return AttnInputs(is_causal=self.causal, rope=rope)  # the fused kernel's own mask: no (T, T)
         if cache is None and not self.window:  # padding or a bias: the mask is materialised, (T, T)
             T, device = positions.shape[1], positions.device
             causal = torch.ones(T, T, dtype=torch.bool, device=device).tril() if self.causal else None
-        return AttnInputs(mask=_combine(causal, k_valid, bias), rope=rope, cache=cache, cache_pos=cache_pos,
-                          valid=attention_mask)
+        return AttnInputs(mask=self._mask(positions, k_pos, k_valid, causal), rope=rope, cache=cache,
+                          cache_pos=cache_pos, valid=attention_mask)
+
+    def _mask(self, positions, k_pos, k_valid, causal) -> torch.Tensor | None:
+        """The SDPA mask of queries at ``positions`` (B, Tq) over keys at ``k_pos`` (B, Tk):
+        ``causal`` (Tq, Tk) or the window, the keys' validity, and the position bias."""
+        if self.window:
+            causal = _window(positions, k_pos, self.window, self.causal)  # (B, Tq, Tk)
+        bias = self.bias(positions, k_pos) if self.bias is not None else None  # (B, H, Tq, Tk)
+        return _combine(causal, k_valid, bias)
 
     def _cross_inputs(self, memory, memory_mask, cache) -> AttnInputs:
         if cache is not None:
@@ -82,6 +91,11 @@ class Stack(nn.Module):
             memory_mask = cache.memory_mask
         mask = None if memory_mask is None else _combine(None, memory_mask, None)
         return AttnInputs(mask=mask, memory=memory, cache=cache)
+
+
+def _written(cache_pos: torch.Tensor, span: int) -> torch.Tensor:
+    """(T, S): the cache slots each new token may see, those written up to its own."""
+    return cache_pos[:, None] >= torch.arange(span, device=cache_pos.device)[None, :]
 
 
 def _check_ring(cache: KVCache, cache_pos: torch.Tensor, window: int) -> None:

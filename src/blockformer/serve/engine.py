@@ -221,20 +221,31 @@ class Engine:
         if plan.empty:
             return []
         self.steps_total += 1
+        sizes = {id(seq): n for seq, n in plan.prefills}
+        if self.arch != "encoder-decoder":  # every sequence of the step in one packed call
+            seqs = plan.decodes + [seq for seq, _ in plan.prefills]
+            rows = [self._row(seq, sizes.get(id(seq), 1)) for seq in seqs]
+            return self._computed(seqs, rows, self.runner.run_packed(rows))
         outputs = []
         calls = [plan.decodes] if plan.decodes else []
-        calls += _group_prefills(plan.prefills)
-        sizes = {id(seq): n for seq, n in plan.prefills}
-        for seqs in self._split_first_calls(calls):
+        for seqs in self._split_first_calls(calls + _group_prefills(plan.prefills)):
             rows = [self._row(seq, sizes.get(id(seq), 1)) for seq in seqs]
             logits, view = self.runner.run(rows)
             for b, seq in enumerate(seqs):
                 if seq.cross is None and rows[b].memory is not None:
                     seq.cross = ([k[b : b + 1] for k in view.cross_k], [v[b : b + 1] for v in view.cross_v])
-                seq.n_computed += len(rows[b].tokens)
-                self.blocks.commit(seq.table, seq.tokens, seq.n_computed)
-                if seq.n_computed == len(seq.tokens):
-                    outputs.append(self._advance(seq, logits[b]))
+            outputs += self._computed(seqs, rows, logits)
+        return outputs
+
+    def _computed(self, seqs: list[Sequence], rows: list[RowInput], logits: torch.Tensor) -> list[RequestOutput]:
+        """The rows' keys are in the pool: commit their blocks, and advance each sequence
+        whose pending tokens are all in."""
+        outputs = []
+        for b, seq in enumerate(seqs):
+            seq.n_computed += len(rows[b].tokens)
+            self.blocks.commit(seq.table, seq.tokens, seq.n_computed)
+            if seq.n_computed == len(seq.tokens):
+                outputs.append(self._advance(seq, logits[b]))
         return outputs
 
     def _split_first_calls(self, calls: list[list[Sequence]]) -> list[list[Sequence]]:

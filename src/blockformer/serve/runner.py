@@ -1,16 +1,20 @@
 """One scheduled batch in, next-token logits out: the model runner.
 
 The model is called as it is in ``generate``, with a cache object; here the cache is a
-view of the paged pool for this call (``PagedView``). Each row's keys and values are
-gathered through its block table into a (B, H_kv, S, head_dim) tensor, right-aligned, so
-that every row's new tokens sit in the same last slots and the model's own causal mask
-(``cache_pos``) is right for all of them; the slots in front of a shorter row are marked
-invalid. This is "gathered blocks into SDPA": one ``index_select`` per layer, then the
-same fused attention kernel as ``generate`` (benchmarks/bench_serve.py measures it).
-The model does not know it is being served.
+view of the paged pool for this call. A decoder's step is one packed call (``PackedView``):
+every sequence's new tokens side by side in one input row, so each weight is read once per
+step and every matmul has all the step's tokens as rows (16 decode rows and a 32-token
+prefill chunk cost about as much as 48 rows, not 16 + 32: BENCHMARKS.md "Serving").
+Attention runs per segment, a segment being the sequences with the same number of new
+tokens (all decodes are one): each sequence's keys and values are gathered through its
+block table into a (rows, H_kv, S, head_dim) tensor, right-aligned, so that every row's new
+tokens sit in the same last slots and one causal pattern is right for all of them; the
+slots in front of a shorter row are marked invalid. This is "gathered blocks into SDPA":
+one ``index_select`` per layer, then the same fused attention kernel as ``generate``.
 
-Decoding rows (one token each) run in one call; each prefill chunk runs in its own, so a
-row of one token never pays for another's chunk of hundreds.
+An encoder-decoder's rows carry their own sources, so its step is padded calls instead
+(``PagedView``): its decoding rows in one call, each prefill chunk in its own. The model
+does not know it is being served.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from torch import nn
 
 from ..models.checks import trusted_inputs
-from ..nn.kv_cache import KVCache
+from ..nn.kv_cache import KVCache, Segment
 
 
 @dataclass
@@ -47,16 +51,8 @@ class PagedView(KVCache):
 
     def __init__(self, pool: PagedPool, rows: list[RowInput], T: int) -> None:  # noqa: D107 - no super(): no buffers of its own
         self.pool, B = pool, len(rows)
-        S = max(r.n_past + len(r.tokens) for r in rows)  # >= T: every row ends at slot S - 1
-        read = np.full((B, S), pool.dummy_slot, dtype=np.int64)
-        valid = np.zeros((B, S), dtype=bool)
-        pos = np.zeros((B, S), dtype=np.int64)
-        for b, r in enumerate(rows):
-            n, first = len(r.tokens), S - len(r.tokens) - r.n_past  # first virtual slot of the row's past
-            read[b, first : S - n] = r.past_slots
-            read[b, S - n :] = r.write_slots
-            valid[b, first:] = True
-            pos[b, first:] = np.arange(r.n_past + n)
+        read, valid, pos = _right_aligned(rows, pool.dummy_slot)
+        S = read.shape[1]  # >= T: every row ends at slot S - 1
         device = pool.k[0].device
         self.read = torch.from_numpy(read.reshape(-1)).to(device)
         self.valid, self.pos = torch.from_numpy(valid).to(device), torch.from_numpy(pos).to(device)
@@ -99,6 +95,76 @@ class PagedView(KVCache):
 
     def reorder(self, index) -> None:  # pragma: no cover - beam search does not run on the pool
         raise NotImplementedError("a paged view is made for one call")
+
+
+class PackedView(KVCache):
+    """The pool seen as a ``KVCache`` for one packed call: the rows' new tokens side by side
+    in one input row, in ``segments`` of consecutive rows with the same number of new
+    tokens, each segment's keys right-aligned as in ``PagedView``."""
+
+    def __init__(self, pool: PagedPool, rows: list[RowInput]) -> None:  # noqa: D107 - no super(): no buffers of its own
+        self.pool, device = pool, pool.k[0].device
+        self.segments, reads, start = [], [], 0
+        for group in _runs(rows):
+            read, valid, pos = _right_aligned(group, pool.dummy_slot)
+            S, T = read.shape[1], len(group[0].tokens)
+            self.segments.append(Segment(start, len(group), T, torch.arange(S - T, S, device=device),
+                                         torch.from_numpy(pos).to(device), torch.from_numpy(valid).to(device)))
+            reads.append(read.reshape(-1))
+            start += len(group) * T
+        self.read = torch.from_numpy(np.concatenate(reads)).to(device)
+        self.write = torch.from_numpy(np.concatenate([r.write_slots for r in rows])).to(device)
+        self.cross_k = self.cross_v = [None] * pool.n_layers
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pool.k[0].dtype
+
+    def update_segments(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Write the new keys/values (1, H_kv, N, hd) into the pool; read each segment's
+        (rows, H_kv, S, hd) back through its rows' block tables, all in one gather."""
+        pk, pv = self.pool.k[layer], self.pool.v[layer]  # (slots, H_kv, hd)
+        pk.index_copy_(0, self.write, k[0].transpose(0, 1).to(pk.dtype))
+        pv.index_copy_(0, self.write, v[0].transpose(0, 1).to(pv.dtype))
+        n = len(self.read)
+        gk = torch.index_select(pk, 0, self.read, out=self.pool.buffer("k", n))
+        gv = torch.index_select(pv, 0, self.read, out=self.pool.buffer("v", n))
+        out, offset = [], 0
+        for seg in self.segments:
+            S = seg.k_pos.shape[1]
+            part = slice(offset, offset + seg.rows * S)
+            out.append((gk[part].view(seg.rows, S, *pk.shape[1:]).transpose(1, 2),
+                        gv[part].view(seg.rows, S, *pv.shape[1:]).transpose(1, 2)))
+            offset = part.stop
+        return out
+
+
+def _runs(rows: list[RowInput]) -> list[list[RowInput]]:
+    """Consecutive rows with the same number of new tokens."""
+    runs: list[list[RowInput]] = []
+    for r in rows:
+        if runs and len(runs[-1][0].tokens) == len(r.tokens):
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return runs
+
+
+def _right_aligned(rows: list[RowInput], dummy_slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's past then its new tokens, ending at the last of S virtual slots: the pool
+    slot each virtual slot reads (the dummy in front of a shorter row), whether it holds a
+    token, and that token's position; (B, S) each."""
+    S = max(r.n_past + len(r.tokens) for r in rows)
+    read = np.full((len(rows), S), dummy_slot, dtype=np.int64)
+    valid = np.zeros((len(rows), S), dtype=bool)
+    pos = np.zeros((len(rows), S), dtype=np.int64)
+    for b, r in enumerate(rows):
+        n, first = len(r.tokens), S - len(r.tokens) - r.n_past  # first virtual slot of the row's past
+        read[b, first : S - n] = r.past_slots
+        read[b, S - n :] = r.write_slots
+        valid[b, first:] = True
+        pos[b, first:] = np.arange(r.n_past + n)
+    return read, valid, pos
 
 
 def gather(pool: torch.Tensor, read: torch.Tensor, B: int, S: int, out: torch.Tensor) -> torch.Tensor:
@@ -170,6 +236,21 @@ class ModelRunner:
         self.model, self.pool = model, pool
         self.arch = model.cfg.arch
         self.device = pool.k[0].device
+
+    @torch.inference_mode()
+    def run_packed(self, rows: list[RowInput]) -> torch.Tensor:
+        """A decoder's rows in one packed call: logits (B, V) in the order of ``rows``."""
+        order = sorted(range(len(rows)), key=lambda b: len(rows[b].tokens))  # stable: decodes first, as one segment
+        rows = [rows[b] for b in order]
+        view = PackedView(self.pool, rows)
+        tokens = torch.tensor([[t for r in rows for t in r.tokens]], device=self.device)
+        positions = torch.from_numpy(np.concatenate([np.arange(r.n_past, r.n_past + len(r.tokens)) for r in rows]))
+        last = torch.from_numpy(np.cumsum([len(r.tokens) for r in rows]) - 1).to(self.device)
+        with trusted_inputs():
+            h = self.model.hidden_states(tokens, positions=positions[None].to(self.device), cache=view,
+                                         cache_pos=torch.arange(tokens.shape[1], device=self.device))
+            logits = self.model.head_logits(h[:, last])[0].float()
+        return logits[torch.from_numpy(np.argsort(order)).to(self.device)]
 
     @torch.inference_mode()
     def run(self, rows: list[RowInput]) -> tuple[torch.Tensor, PagedView]:

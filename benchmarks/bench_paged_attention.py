@@ -1,8 +1,10 @@
 """What reading keys and values through block tables costs: one decode step's attention
-(a query per row over its past) from the paged pool, as the serving engine does it (gather
-each row's blocks with one ``index_select``, then SDPA with a mask for the shorter rows),
-against the same SDPA call on a contiguous cache (``generate``'s ``KVCache``). Per layer,
-GPT-2-small's heads (12 x 64), fp32, blocks of 16 tokens scattered through the pool.
+(a query per row over its past) from the paged pool, two ways the serving engine can do it
+- gathered (each row's blocks copied out with one ``index_select``, then SDPA with a mask
+for the shorter rows; what prefill chunks do) and in place (the C kernel of
+``serve/paged_attention.py``, what decoding rows do) - against SDPA on a contiguous cache
+(``generate``'s ``KVCache``). Per layer, GPT-2-small's heads (12 x 64), fp32, blocks of 16
+tokens scattered through the pool; the three outputs are checked equal.
 
     python benchmarks/bench_paged_attention.py --threads 1 --out benchmarks/results/paged-attention.md
 """
@@ -16,6 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from blockformer.serve.paged_attention import decode_attention, kernel
 from blockformer.serve.runner import gather
 
 
@@ -29,8 +32,9 @@ def timed(fn, repeats: int) -> float:
         return (time.perf_counter() - start) / repeats
 
 
-def case(B: int, S: int, H: int = 12, hd: int = 64, block: int = 16, repeats: int = 200) -> tuple[float, float]:
-    """(contiguous, paged) seconds for one layer's decode attention: B rows, pasts of S/2..S."""
+def case(B: int, S: int, H: int = 12, hd: int = 64, block: int = 16, repeats: int = 200) -> tuple[float, ...]:
+    """(contiguous, gathered, in place) seconds for one layer's decode attention: B rows,
+    pasts of S/2..S."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(S // 2, S + 1, (B,), generator=g)
     q = torch.randn(B, H, 1, hd, generator=g)
@@ -49,7 +53,13 @@ def case(B: int, S: int, H: int = 12, hd: int = 64, block: int = 16, repeats: in
         k, v = gather(pool_k, read, B, S, buf_k), gather(pool_v, read, B, S, buf_v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    return timed(contiguous, repeats), timed(paged, repeats)
+    q_rows, out, valid, read_rows = q[:, :, 0].contiguous(), q.new_empty(B, H, hd), mask[:, 0, 0].contiguous(), read.view(B, S)
+
+    def in_place():
+        return decode_attention(q_rows, pool_k, pool_v, read_rows, valid, hd**-0.5, out)
+
+    torch.testing.assert_close(in_place(), paged()[:, :, 0], atol=1e-5, rtol=1e-5)
+    return timed(contiguous, repeats), timed(paged, repeats), timed(in_place, repeats)
 
 
 def main() -> None:
@@ -62,12 +72,16 @@ def main() -> None:
     kind = "AVX512-BF16" if "avx512_bf16" in flags else "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
     lines = [f"# Paged attention: one decode step's attention per layer ({kind} CPU, {args.threads} thread(s), "
              f"torch {torch.__version__})", "",
-             "| rows | past tokens | contiguous cache (us) | gathered from blocks (us) | paged / contiguous |",
-             "|---:|---:|---:|---:|---:|"]
-    for B in (1, 16, 32):
+             "| rows | past tokens | contiguous cache (us) | gathered from blocks (us) | in place, C kernel (us) "
+             "| gathered / contiguous | in place / contiguous |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    if kernel() is None:
+        raise SystemExit("the paged attention kernel could not be built here (see the warning above)")
+    for B in (1, 16, 64):
         for S in (128, 512, 1024):
-            c, p = case(B, S)
-            lines.append(f"| {B} | {S // 2}-{S} | {c * 1e6:.0f} | {p * 1e6:.0f} | {p / c:.2f} |")
+            c, p, k = case(B, S)
+            lines.append(f"| {B} | {S // 2}-{S} | {c * 1e6:.0f} | {p * 1e6:.0f} | {k * 1e6:.0f} | {p / c:.2f} | "
+                         f"{k / c:.2f} |")
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blockformer.nn.attention import _sdpa
+from blockformer.nn.attention import sdpa
 from blockformer.nn.dropout import Dropout, dropout, keep_mask
 
 
@@ -59,12 +59,12 @@ def test_attention_dropout_drops_weights_after_the_softmax(masked):
     q, k, v = (torch.randn(2, 4, 10, 8, requires_grad=True) for _ in range(3))
     mask = torch.ones(2, 1, 10, 10, dtype=torch.bool).tril() if masked else None
     torch.manual_seed(7)
-    out = _sdpa(q, k, v, mask, not masked, 0.2)
+    out = sdpa(q, k, v, mask, not masked, 0.2)
     torch.manual_seed(7)
     keep, rate = keep_mask((2, 4, 10, 10), 0.2)
     causal = torch.ones(10, 10, dtype=torch.bool).tril()
     weights = (q @ k.transpose(-2, -1) / 8**0.5).masked_fill(~causal, float("-inf")).softmax(-1)
     reference = (weights * keep / rate) @ v
     torch.testing.assert_close(out, reference)
-    torch.testing.assert_close(_sdpa(q, k, v, mask, not masked, 0.0), F.scaled_dot_product_attention(
+    torch.testing.assert_close(sdpa(q, k, v, mask, not masked, 0.0), F.scaled_dot_product_attention(
         q, k, v, is_causal=True), atol=1e-5, rtol=1e-5)

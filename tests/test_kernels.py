@@ -81,7 +81,7 @@ def test_sdpa_follows_the_choice_at_call_time(monkeypatch, unfused):
     monkeypatch.setattr(attention_module, "_unfused", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(kernels, "unfused_attention", lambda *a: seen.append(a) or unfused)
     q, k, v = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(3))
-    out = attention_module._sdpa(q, k, v, None, True, 0.0)
+    out = attention_module.sdpa(q, k, v, None, True, 0.0)
     assert len(calls) == int(unfused)
     assert seen == [(CPU, FP32, 5, 0.0, True)]
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)

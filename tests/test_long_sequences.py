@@ -67,18 +67,18 @@ class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
 def test_cpu_attention_kernel_follows_the_measured_choice(monkeypatch, dtype, keys, grad, fused):
     """On the CPU kind it was measured on (AVX512-BF16, no AMX); elsewhere torch's fused choice."""
     from blockformer import kernels  # noqa: PLC0415
-    from blockformer.nn.attention import _sdpa  # noqa: PLC0415
+    from blockformer.nn.attention import sdpa  # noqa: PLC0415
 
     monkeypatch.setattr(kernels, "UNFUSED_SHORT_BF16", True)
     q, k, v = (torch.randn(2, 4, keys, 16, dtype=dtype, requires_grad=grad) for _ in range(3))
     with _Ops() as ops, torch.set_grad_enabled(grad):
-        out = _sdpa(q, k, v, None, True, 0.0)
+        out = sdpa(q, k, v, None, True, 0.0)
     assert any("flash_attention" in n for n in ops.names) is fused, sorted(ops.names)
     reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     assert (out.float() - reference).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
     monkeypatch.setattr(kernels, "UNFUSED_SHORT_BF16", False)  # an unmeasured CPU kind
     with _Ops() as ops, torch.set_grad_enabled(grad):
-        _sdpa(q, k, v, None, True, 0.0)
+        sdpa(q, k, v, None, True, 0.0)
     assert any("flash_attention" in n for n in ops.names)
 
 
@@ -87,7 +87,7 @@ def test_masked_bf16_training_attention_equals_the_reference(monkeypatch, keys):
     """A padding + causal boolean mask (as sequence-to-sequence batches build it) hides the
     same keys on the unfused path as on torch's own: forward and gradients within bf16."""
     from blockformer import kernels  # noqa: PLC0415
-    from blockformer.nn.attention import _sdpa  # noqa: PLC0415
+    from blockformer.nn.attention import sdpa  # noqa: PLC0415
 
     monkeypatch.setattr(kernels, "UNFUSED_SHORT_BF16", True)
 
@@ -97,7 +97,7 @@ def test_masked_bf16_training_attention_equals_the_reference(monkeypatch, keys):
     causal = torch.ones(keys, keys, dtype=torch.bool).tril()
     mask = (real[:, None, None, :] & causal[None, None]) | ~real[:, None, :, None]  # padded queries see all
     q, k, v = (torch.randn(3, 4, keys, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    out = _sdpa(q, k, v, mask, False, 0.0)
+    out = sdpa(q, k, v, mask, False, 0.0)
     (out.float() * real[:, None, :, None]).square().sum().backward()
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask)
@@ -105,5 +105,5 @@ def test_masked_bf16_training_attention_equals_the_reference(monkeypatch, keys):
     assert (out.float() - ref).abs().max().item() < 3e-2
     for a, b in ((q, q32), (k, k32), (v, v32)):
         assert (a.grad.float() - b.grad).abs().max().item() < 0.15 * b.grad.abs().max().item()
-    leaked = _sdpa(q, k, v, torch.ones_like(mask), False, 0.0)  # the mask must matter
+    leaked = sdpa(q, k, v, torch.ones_like(mask), False, 0.0)  # the mask must matter
     assert ((leaked.float() - ref) * real[:, None, :, None]).abs().max().item() > 0.1

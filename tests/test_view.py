@@ -1,6 +1,6 @@
 """``blockformer view``: its JSON API against the files and the model it reads.
 
-The attention weights are checked against the attention kernel itself: ``_sdpa``, the one
+The attention weights are checked against the attention kernel itself: ``sdpa``, the one
 function every attention module calls, is wrapped to record the q, k, mask and scale it was
 given in the very forward the page's answer came from, and torch's
 ``scaled_dot_product_attention`` of those with ``v = I`` is the weight matrix it computed.
@@ -121,7 +121,7 @@ def kernel_weights(monkeypatch) -> list[torch.Tensor]:
     """Wrap the attention kernel; each call appends its weights (H, Tq, Tk), computed by
     torch's scaled_dot_product_attention with v = I from the q, k, mask and scale it got."""
     seen: list[torch.Tensor] = []
-    real = attention_module._sdpa
+    real = attention_module.sdpa
 
     def spy(q, k, v, mask, is_causal, dropout, scale=None):
         groups = q.shape[1] // k.shape[1]
@@ -132,7 +132,7 @@ def kernel_weights(monkeypatch) -> list[torch.Tensor]:
                                                    scale=scale)[0])
         return real(q, k, v, mask, is_causal, dropout, scale)
 
-    monkeypatch.setattr(attention_module, "_sdpa", spy)
+    monkeypatch.setattr(attention_module, "sdpa", spy)
     return seen
 
 

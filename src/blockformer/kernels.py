@@ -3,8 +3,8 @@
 Each choice is a small function or constant with one line saying what it chooses and the
 measured reason; the figures (timings, shapes, the CPU kinds they came from) are in
 BENCHMARKS.md, section "Kernel choices". The call sites (``nn/attention.py``, ``nn/loss.py``,
-``nn/dropout.py``, ``generate/packed.py``, ``precision.py``) look these names up here when
-they run, so patching a constant of this module changes what they do. CPU features are read
+``nn/dropout.py``, ``generate/packed.py``, ``precision.py``, ``serve/runner.py``) look these
+names up here when they run, so patching a constant of this module changes what they do. CPU features are read
 through ``hardware.cpu_has``, so ``ATEN_CPU_CAPABILITY=avx2`` makes an AVX-512 machine choose
 as an AVX2-only one does. CPU kinds that were not measured keep torch's own choice.
 """
@@ -80,6 +80,18 @@ def packs_on_this_cpu(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return cpu_has("_is_avx512_bf16_supported") or cpu_has("_is_amx_tile_supported")
     return dtype == torch.float32 and cpu_has("_is_avx512_supported")
+
+
+# --- serving (serve/runner.py) ------------------------------------------------------------
+
+# Decoding rows attend through the C kernel that reads the paged pool in place (serve/paged_attention.py),
+# not a gathered copy and SDPA: 3-4x faster at 16-64 rows (BENCHMARKS.md "Paged attention").
+PAGED_DECODE_KERNEL = True
+
+
+def paged_decode_kernel(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a server's decoding rows use that kernel: fp32 pools on the CPU (it has no other)."""
+    return PAGED_DECODE_KERNEL and device.type == "cpu" and dtype == torch.float32
 
 
 # --- precision "auto" (precision.py) -----------------------------------------------------

@@ -69,26 +69,12 @@ class Attention(nn.Module):
             q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
             if ctx.rope is not None:
                 q, k = apply_rope(q, *ctx.rope, self.rope_interleaved), apply_rope(k, *ctx.rope, self.rope_interleaved)
-            if ctx.segment_masks is not None:
-                return self.out(self._attend_segments(q, k, v, ctx))
+            if ctx.segment_masks is not None:  # sequences side by side in one row: the cache attends for each
+                return self.out(ctx.cache.attend(self.layer_idx, q, k, v, ctx.segment_masks, self.scale))
             if ctx.cache is not None:
                 k, v = ctx.cache.update(self.layer_idx, ctx.cache_pos, k, v)  # (B, H_kv, S, hd)
-        y = _sdpa(q, k, v, ctx.mask, ctx.is_causal, self.dropout if self.training else 0.0, self.scale)
+        y = sdpa(q, k, v, ctx.mask, ctx.is_causal, self.dropout if self.training else 0.0, self.scale)
         return self.out(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-
-    def _attend_segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnInputs) -> torch.Tensor:
-        """Several sequences side by side in one row (a server's step): the new keys and
-        values go to the cache, then each segment's queries (rows, H, tokens, hd) attend
-        to that segment's keys alone. Returns (1, N, H * hd)."""
-        N, H, hd = q.shape[2], self.n_heads, self.head_dim
-        y = q.new_empty(N, H, hd)
-        segments = ctx.cache.segments
-        for seg, (k_s, v_s), mask in zip(segments, ctx.cache.update_segments(self.layer_idx, k, v), ctx.segment_masks):
-            a, b = seg.start, seg.start + seg.rows * seg.tokens
-            q_s = q[0, :, a:b].unflatten(1, (seg.rows, seg.tokens)).transpose(0, 1)
-            y_s = _sdpa(q_s, k_s, v_s, mask, False, 0.0, self.scale)
-            y[a:b].view(seg.rows, seg.tokens, H, hd).copy_(y_s.transpose(1, 2))
-        return y.view(1, N, H * hd)
 
     def _cross_kv(self, ctx: AttnInputs) -> tuple[torch.Tensor, torch.Tensor]:
         cache = ctx.cache
@@ -101,7 +87,7 @@ class Attention(nn.Module):
         return k, v
 
 
-def _sdpa(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None = None) -> torch.Tensor:
+def sdpa(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None = None) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)

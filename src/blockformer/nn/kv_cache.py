@@ -42,7 +42,7 @@ class KVCache:
 
     A cache with ``segments`` (a server's view of its paged pool) packs several sequences
     into one row of new tokens: the projections and FFNs run on every token at once, and
-    attention runs per segment, on the keys ``update_segments`` returns.
+    the cache attends for each segment (``attend``), reading its keys where it keeps them.
     """
 
     segments: list[Segment] | None = None

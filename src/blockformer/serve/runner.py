@@ -6,11 +6,13 @@ every sequence's new tokens side by side in one input row, so each weight is rea
 step and every matmul has all the step's tokens as rows (16 decode rows and a 32-token
 prefill chunk cost about as much as 48 rows, not 16 + 32: BENCHMARKS.md "Serving").
 Attention runs per segment, a segment being the sequences with the same number of new
-tokens (all decodes are one): each sequence's keys and values are gathered through its
-block table into a (rows, H_kv, S, head_dim) tensor, right-aligned, so that every row's new
-tokens sit in the same last slots and one causal pattern is right for all of them; the
-slots in front of a shorter row are marked invalid. This is "gathered blocks into SDPA":
-one ``index_select`` per layer, then the same fused attention kernel as ``generate``.
+tokens (all decodes are one). Each row's past and new tokens are laid out right-aligned over
+S virtual slots, so that every row's new tokens sit in the same last slots and one causal
+pattern is right for all of them; the slots in front of a shorter row are marked invalid.
+Decoding rows read their keys and values where the block table points (a C kernel,
+``paged_attention.py``); a prefill chunk's are gathered through its block table into a
+(rows, H_kv, S, head_dim) copy, one ``index_select`` per layer, for the same fused SDPA
+kernel as ``generate``.
 
 An encoder-decoder's rows carry their own sources, so its step is padded calls instead
 (``PagedView``): its decoding rows in one call, each prefill chunk in its own. The model
@@ -25,8 +27,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import kernels
 from ..models.checks import trusted_inputs
+from ..nn.attention import sdpa
 from ..nn.kv_cache import KVCache, Segment
+from . import paged_attention
 
 
 @dataclass
@@ -104,39 +109,46 @@ class PackedView(KVCache):
 
     def __init__(self, pool: PagedPool, rows: list[RowInput]) -> None:  # noqa: D107 - no super(): no buffers of its own
         self.pool, device = pool, pool.k[0].device
-        self.segments, reads, start = [], [], 0
+        self.segments, self.reads, start = [], [], 0
         for group in _runs(rows):
             read, valid, pos = _right_aligned(group, pool.dummy_slot)
             S, T = read.shape[1], len(group[0].tokens)
             self.segments.append(Segment(start, len(group), T, torch.arange(S - T, S, device=device),
                                          torch.from_numpy(pos).to(device), torch.from_numpy(valid).to(device)))
-            reads.append(read.reshape(-1))
+            self.reads.append(torch.from_numpy(read).to(device))
             start += len(group) * T
-        self.read = torch.from_numpy(np.concatenate(reads)).to(device)
         self.write = torch.from_numpy(np.concatenate([r.write_slots for r in rows])).to(device)
         self.cross_k = self.cross_v = [None] * pool.n_layers
+        self.in_place = kernels.paged_decode_kernel(pool.k[0].dtype, device) and paged_attention.kernel() is not None
 
     @property
     def dtype(self) -> torch.dtype:
         return self.pool.k[0].dtype
 
-    def update_segments(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Write the new keys/values (1, H_kv, N, hd) into the pool; read each segment's
-        (rows, H_kv, S, hd) back through its rows' block tables, all in one gather."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               masks: list[torch.Tensor | None], scale: float | None) -> torch.Tensor:
+        """Write the new keys/values (1, H_kv, N, hd) into the pool, then let each segment's
+        queries (1, H, N, hd) attend to its rows' keys: decoding rows read the pool in place
+        (the C kernel), the others a gathered copy through SDPA. Returns (1, N, H * hd)."""
         pk, pv = self.pool.k[layer], self.pool.v[layer]  # (slots, H_kv, hd)
         pk.index_copy_(0, self.write, k[0].transpose(0, 1).to(pk.dtype))
         pv.index_copy_(0, self.write, v[0].transpose(0, 1).to(pv.dtype))
-        n = len(self.read)
-        gk = torch.index_select(pk, 0, self.read, out=self.pool.buffer("k", n))
-        gv = torch.index_select(pv, 0, self.read, out=self.pool.buffer("v", n))
-        out, offset = [], 0
-        for seg in self.segments:
-            S = seg.k_pos.shape[1]
-            part = slice(offset, offset + seg.rows * S)
-            out.append((gk[part].view(seg.rows, S, *pk.shape[1:]).transpose(1, 2),
-                        gv[part].view(seg.rows, S, *pv.shape[1:]).transpose(1, 2)))
-            offset = part.stop
-        return out
+        _, H, N, hd = q.shape
+        y = q.new_empty(N, H, hd)
+        for seg, read, mask in zip(self.segments, self.reads, masks):
+            a, b = seg.start, seg.start + seg.rows * seg.tokens
+            q_s = q[0, :, a:b].unflatten(1, (seg.rows, seg.tokens)).transpose(0, 1)  # (rows, H, tokens, hd)
+            if seg.tokens == 1 and self.in_place and mask is not None and mask.dtype == torch.bool:
+                paged_attention.decode_attention(q_s[:, :, 0].contiguous(), pk, pv, read,
+                                                 mask.expand(seg.rows, 1, 1, -1).reshape(seg.rows, -1).contiguous(),
+                                                 hd**-0.5 if scale is None else scale, y[a:b])
+                continue
+            S = read.shape[1]
+            gk = gather(pk, read.view(-1), seg.rows, S, self.pool.buffer("k", read.numel()))
+            gv = gather(pv, read.view(-1), seg.rows, S, self.pool.buffer("v", read.numel()))
+            y_s = sdpa(q_s, gk, gv, mask, False, 0.0, scale)
+            y[a:b].view(seg.rows, seg.tokens, H, hd).copy_(y_s.transpose(1, 2))
+        return y.view(1, N, H * hd)
 
 
 def _runs(rows: list[RowInput]) -> list[list[RowInput]]:

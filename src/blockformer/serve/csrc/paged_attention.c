@@ -1,0 +1,60 @@
+/* Decode attention read straight from a paged key/value pool: one query token per row.
+ *
+ * For rows b in [b0, b1) and query heads h:
+ *     out[b, h] = sum_s p[s] * v[read[b, s], h / G],
+ *     p = softmax over the slots s with mask[b, s] of scale * q[b, h] . k[read[b, s], h / G]
+ * with G = H / Hkv query heads per key/value head (GQA). The pool is (slots, Hkv, D), so a
+ * slot's keys for every head are one contiguous run: each key and value is read once, with
+ * no gathered copy (the copy and a second pass over it are what this replaces).
+ * `scores` is scratch of H * S floats. Built at first use by blockformer.serve.paged_attention
+ * with the machine's C compiler; plain C, vectorised by the compiler.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+void paged_decode_attention_f32(const float *q, const float *pk, const float *pv, const int64_t *read,
+                                const uint8_t *mask, float *out, float *scores, int64_t b0, int64_t b1,
+                                int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale) {
+    const int64_t G = H / Hkv, slot_stride = Hkv * D;
+    float top[H], inv[H];  /* H is a few dozen at most */
+    for (int64_t b = b0; b < b1; b++) {
+        const float *qb = q + b * H * D;
+        const int64_t *rb = read + b * S;
+        const uint8_t *mb = mask + b * S;
+        float *ob = out + b * H * D;
+        for (int64_t h = 0; h < H; h++) top[h] = -FLT_MAX;
+        for (int64_t s = 0; s < S; s++) {
+            if (!mb[s]) continue;
+            const float *ks = pk + rb[s] * slot_stride;
+            for (int64_t h = 0; h < H; h++) {
+                const float *kh = ks + (h / G) * D, *qh = qb + h * D;
+                float acc = 0.0f;
+                for (int64_t d = 0; d < D; d++) acc += qh[d] * kh[d];
+                acc *= scale;
+                scores[h * S + s] = acc;
+                if (acc > top[h]) top[h] = acc;
+            }
+        }
+        for (int64_t h = 0; h < H; h++) {
+            float sum = 0.0f, *sh = scores + h * S;
+            for (int64_t s = 0; s < S; s++) {
+                if (!mb[s]) continue;
+                sh[s] = expf(sh[s] - top[h]);
+                sum += sh[s];
+            }
+            inv[h] = sum > 0.0f ? 1.0f / sum : 0.0f;
+        }
+        memset(ob, 0, (size_t)(H * D) * sizeof(float));
+        for (int64_t s = 0; s < S; s++) {
+            if (!mb[s]) continue;
+            const float *vs = pv + rb[s] * slot_stride;
+            for (int64_t h = 0; h < H; h++) {
+                const float p = scores[h * S + s] * inv[h], *vh = vs + (h / G) * D;
+                float *oh = ob + h * D;
+                for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];
+            }
+        }
+    }
+}

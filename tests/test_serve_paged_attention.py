@@ -1,0 +1,83 @@
+"""The decode-attention kernel that reads the paged pool in place: it gives what a gathered
+copy and SDPA give, on every thread count and head grouping; where it cannot be built the
+engine says so and falls back, with the same tokens."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockformer.serve import Engine, paged_attention
+from blockformer.serve.runner import gather
+
+from test_serve_engine import GREEDY, TOK, alone, make, prompts, staggered
+
+
+def scattered(rows, S, H, Hkv, D, block=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = rows * (S // block) * 3
+    pool_k, pool_v = (torch.randn(n_blocks * block, Hkv, D, generator=g) for _ in range(2))
+    tables = torch.randperm(n_blocks, generator=g)[: rows * (S // block)].view(rows, -1)
+    read = (tables[:, :, None] * block + torch.arange(block)).reshape(rows, S)
+    lengths = torch.randint(1, S + 1, (rows,), generator=g)
+    mask = torch.arange(S)[None, :] >= S - lengths[:, None]  # right-aligned pasts, as the runner lays them out
+    mask[0, S - 2] = False  # and a hole: the kernel follows the mask, not a length
+    return torch.randn(rows, H, D, generator=g), pool_k, pool_v, read, mask
+
+
+def gathered(q, pool_k, pool_v, read, mask, scale):
+    rows, S = read.shape
+    k = gather(pool_k, read.reshape(-1), rows, S, pool_k.new_empty(rows * S, *pool_k.shape[1:]))
+    v = gather(pool_v, read.reshape(-1), rows, S, pool_v.new_empty(rows * S, *pool_v.shape[1:]))
+    return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None], scale=scale,
+                                          enable_gqa=True)[:, :, 0]
+
+
+@pytest.mark.parametrize("heads,kv_heads,threads", [(4, 4, 1), (8, 2, 1), (6, 1, 2), (8, 2, 3)])
+def test_the_kernel_equals_a_gathered_copy_through_sdpa(heads, kv_heads, threads):
+    assert paged_attention.kernel() is not None  # a C compiler is part of the set-up (README)
+    q, pool_k, pool_v, read, mask = scattered(7, 24, heads, kv_heads, 16, seed=heads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_attention.decode_attention(q, pool_k, pool_v, read, mask, 0.3, torch.full_like(q, float("nan")))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, gathered(q, pool_k, pool_v, read, mask, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_decoding_rows_of_the_engine_go_through_the_kernel(monkeypatch):
+    calls = []
+    real = paged_attention.decode_attention
+    monkeypatch.setattr(paged_attention, "decode_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    model, ps = make(n_kv_heads=2), prompts(4)
+    engine = Engine(model, TOK, block_size=4, max_num_batched_tokens=20, max_running=4)
+    assert staggered(engine, ps) == alone(model, ps)
+    assert len(calls) >= 16 * model.cfg.n_layers and max(calls) == 4  # every layer, all decoding rows at once
+
+
+def test_without_a_compiler_the_engine_warns_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(paged_attention.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    paged_attention.kernel.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no C compiler.*gathers keys and values"):
+            assert paged_attention.kernel() is None
+        model, ps = make(), prompts(4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once, not at every step
+            got = staggered(Engine(model, TOK, block_size=4, max_num_batched_tokens=20, max_running=4), ps)
+        assert got == alone(model, ps)
+    finally:
+        paged_attention.kernel.cache_clear()
+
+
+def test_the_kernel_is_built_for_the_instruction_set_torch_is_capped_at(monkeypatch):
+    if paged_attention.platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86 flags")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert paged_attention._arch_flags() == ["-mavx2", "-mfma"]
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert paged_attention._arch_flags() == []

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from blockformer import native
 from blockformer.serve import Engine, paged_attention
 from blockformer.serve.runner import gather
 
@@ -60,10 +61,11 @@ def test_decoding_rows_of_the_engine_go_through_the_kernel(monkeypatch):
 def test_without_a_compiler_the_engine_warns_and_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(paged_attention.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    native.load.cache_clear()
     paged_attention.kernel.cache_clear()
     try:
-        with pytest.warns(RuntimeWarning, match="no C compiler.*gathers keys and values"):
+        with pytest.warns(RuntimeWarning, match="paged_attention: .*no C compiler.*torch's ops instead"):
             assert paged_attention.kernel() is None
         model, ps = make(), prompts(4)
         with warnings.catch_warnings():
@@ -71,13 +73,14 @@ def test_without_a_compiler_the_engine_warns_and_falls_back(monkeypatch, tmp_pat
             got = staggered(Engine(model, TOK, block_size=4, max_num_batched_tokens=20, max_running=4), ps)
         assert got == alone(model, ps)
     finally:
+        native.load.cache_clear()
         paged_attention.kernel.cache_clear()
 
 
 def test_the_kernel_is_built_for_the_instruction_set_torch_is_capped_at(monkeypatch):
-    if paged_attention.platform.machine().lower() not in ("x86_64", "amd64"):
+    if native.platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("x86 flags")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    assert paged_attention._arch_flags() == ["-mavx2", "-mfma"]
+    assert native.arch_flags() == ["-mavx2", "-mfma"]
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
-    assert paged_attention._arch_flags() == []
+    assert native.arch_flags() == []

@@ -1,0 +1,128 @@
+"""Small C kernels, built at first use with the machine's C compiler.
+
+Where no library ships a kernel for the CPU and this torch (decode attention that reads a
+paged pool in place; a weight-only int8 product at a decode step's few rows), blockformer
+carries its own, in plain C under ``csrc/``, vectorised by the compiler. Each is compiled
+once per source and CPU with ``$CC`` (else ``cc`` or ``gcc``), for the instruction set that
+``ATEN_CPU_CAPABILITY`` leaves torch (so ``avx2`` gives an AVX2 build on any machine), into
+``~/.cache/blockformer/kernels`` (``$XDG_CACHE_HOME``; a temporary folder if that is not
+writable), and loaded with ``ctypes``, whose calls release the GIL: ``split`` runs one over
+torch's threads. Where no compiler works, ``load`` warns once and returns None, and the
+caller takes its torch path: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from .hardware import cpu_has
+
+SOURCES = Path(__file__).with_name("csrc")
+# -O3 vectorises the dot products and sums; reassociation is what lets it (no -ffast-math:
+# the kernels compare against finite floors and must keep infinities honest).
+CFLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+          "-fno-signed-zeros"]
+
+
+def arch_flags() -> list[str]:
+    """This CPU's instruction set, no further than ``ATEN_CPU_CAPABILITY`` lets torch go."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    if cpu_has("_is_avx512_supported"):
+        return ["-march=native"]
+    capped = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default"
+    return ["-mavx2", "-mfma"] if cpu_has("_is_avx2_supported") and not capped else []
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """``csrc/<name>.c`` built and loaded, or None (and a warning, once) where it cannot be
+    built on this machine."""
+    source = SOURCES / f"{name}.c"
+    flags = CFLAGS + arch_flags()
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _cpu_id().encode()).hexdigest()[:16]
+    try:
+        return ctypes.CDLL(str(_built(source, f"{name}-{key}.so", flags)))
+    except (OSError, RuntimeError) as e:
+        warnings.warn(f"{name}: the C kernel was not built ({e}); blockformer uses torch's ops instead (slower, "
+                      "same result)", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def pieces(total: int) -> int:
+    """How many pieces ``split`` cuts ``total`` items into: one per torch thread."""
+    return max(1, min(torch.get_num_threads(), total))
+
+
+def split(fn: Callable, total: int, call: Callable[[int, int, int], tuple]) -> None:
+    """Run ``fn(*call(piece, lo, hi))`` for each of ``pieces(total)`` ranges of ``[0, total)``,
+    on as many threads."""
+    n = pieces(total)
+    bounds = [total * i // n for i in range(n + 1)]
+    if n == 1:
+        fn(*call(0, 0, total))
+        return
+    jobs = [_pool(n).submit(fn, *call(i, bounds[i], bounds[i + 1])) for i in range(n)]
+    for job in jobs:
+        job.result()
+
+
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="blockformer-native")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "blockformer" / "kernels"
+
+
+def _cpu_id() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return platform.machine() + flags
+
+
+def _compiler() -> str:
+    names = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc"]
+    for name in names:
+        if shutil.which(name):
+            return name
+    raise RuntimeError(f"no C compiler: {' or '.join(map(repr, names))} is not on PATH (set CC)")
+
+
+def _built(source: Path, filename: str, flags: list[str]) -> Path:
+    """The shared library ``filename``, compiled now if no earlier run left it."""
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"blockformer-kernels-{os.getuid()}"):
+        lib = folder / filename
+        if lib.is_file():
+            return lib
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        cc = _compiler()
+        tmp = folder / f".{filename}.{os.getpid()}"
+        done = subprocess.run([cc, *flags, "-o", str(tmp), str(source), "-lm"], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            said = [line for line in done.stderr.splitlines() if "error" in line] or [f"exit {done.returncode}"]
+            raise RuntimeError(f"{cc} failed: {said[0].strip()}")
+        os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same bytes
+        return lib
+    raise RuntimeError(f"no writable folder for the built kernel ({_cache_dir()})")

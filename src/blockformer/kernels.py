@@ -85,13 +85,24 @@ def packs_on_this_cpu(dtype: torch.dtype) -> bool:
 # --- serving (serve/runner.py) ------------------------------------------------------------
 
 # Decoding rows attend through the C kernel that reads the paged pool in place (serve/paged_attention.py),
-# not a gathered copy and SDPA: 3-4x faster at 16-64 rows (BENCHMARKS.md "Paged attention").
+# not a gathered copy and SDPA: 3-4x faster at 16-64 rows (BENCHMARKS.md "Serving", "Paged attention").
 PAGED_DECODE_KERNEL = True
 
 
 def paged_decode_kernel(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a server's decoding rows use that kernel: fp32 pools on the CPU (it has no other)."""
     return PAGED_DECODE_KERNEL and device.type == "cpu" and dtype == torch.float32
+
+
+# --- weight-only int8/int4 decoding (generate/quantize.py) ------------------------------
+
+# fp32 activations at a decode step's few rows go through blockformer's C kernels (csrc/int8_matmul.c,
+# csrc/int4_matmul.c): with fp32 activations torch's int8 and int4 kernels are slower than the fp32 model,
+# ours 2.0x and 1.8x Hugging Face's fp32 decoding with AVX-512, 2.1x and 2.0x capped to AVX2 (BENCHMARKS.md
+# "Quantized decoding with fp32 activations"); bf16 activations keep torch's packed kernels.
+def native_quantized_matmul(dtype: torch.dtype) -> bool:
+    """Whether a quantized layer's decode-step product uses blockformer's C kernel (fp32 activations)."""
+    return dtype == torch.float32
 
 
 # --- precision "auto" (precision.py) -----------------------------------------------------

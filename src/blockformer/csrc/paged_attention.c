@@ -6,8 +6,8 @@
  * with G = H / Hkv query heads per key/value head (GQA). The pool is (slots, Hkv, D), so a
  * slot's keys for every head are one contiguous run: each key and value is read once, with
  * no gathered copy (the copy and a second pass over it are what this replaces).
- * `scores` is scratch of H * S floats. Built at first use by blockformer.serve.paged_attention
- * with the machine's C compiler; plain C, vectorised by the compiler.
+ * `scores` is scratch of H * S floats. Built at first use by blockformer.native with the
+ * machine's C compiler; plain C, vectorised by the compiler.
  */
 #include <float.h>
 #include <math.h>

@@ -10,10 +10,12 @@ point; only the weights are rounded.
   (asymmetric, 16 levels spanning the group's min..max). A decode step reads 8x fewer
   weight bytes than fp32, at a larger rounding error.
 
-The packed kernels pay off with bf16 activations (``--precision bf16``): with fp32 ones
-PyTorch's CPU kernels are slower than the float model. This is for inference: a quantized
-model cannot be trained, and its outputs differ from the float model's (int4 more than
-int8; ``blockformer eval --quantize`` measures the cost).
+With bf16 activations (``--precision bf16``) a decode step uses PyTorch's packed low-bit
+kernels. With fp32 ones those are slower than the float model, so a decode step uses
+blockformer's own (``csrc/int8_matmul.c``, ``csrc/int4_matmul.c``, built by ``native``),
+which read each weight byte once for all of the step's rows. This is for inference: a
+quantized model cannot be trained, and its outputs differ from the float model's (int4 more
+than int8; ``blockformer eval --quantize`` measures the cost).
 
 ``prepare_for_decoding`` is the last step before decoding: the decoding dtype, then either
 quantized here or packed for the CPU kernel (``packed.py``).
@@ -21,10 +23,14 @@ quantized here or packed for the CPU kernel (``packed.py``).
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels, native
 from ..models.checks import check_model
 from ..precision import DTYPES
 from .linears import swap_linears
@@ -83,13 +89,42 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scales", scales.to(linear.weight.dtype))
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))
+        fn = _int8_matmul() if kernels.native_quantized_matmul(x.dtype) and not torch.compiler.is_compiling() else None
+        if fn is None or x.shape[0] > KERNEL_MAX_ROWS:  # the C kernel takes 1 to 4 rows
+            return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))
+        x, scales = x.contiguous(), self.scales.float().contiguous()
+        (rows, k), n = x.shape, self.out_features
+        y = x.new_empty(rows, n)
+        native.split(fn, n, lambda i, lo, hi: (x.data_ptr(), self.weight.data_ptr(), scales.data_ptr(), y.data_ptr(),
+                                               rows, lo, hi, k, n))  # output channels over torch's threads
+        return y
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.weight.to(dtype) * self.scales.to(dtype)[:, None]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def _native(name: str, pointers: int, sizes: int):
+    """``<name>_f32`` of ``csrc/<name>.c`` (``native``), or None where it cannot be built."""
+    lib = native.load(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, f"{name}_f32")
+    fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * sizes
+    fn.restype = None
+    return fn
+
+
+@functools.cache
+def _int8_matmul():
+    return _native("int8_matmul", 4, 5)
+
+
+@functools.cache
+def _int4_matmul():
+    return _native("int4_matmul", 7, 6)
 
 
 class Int4Linear(QuantizedLinear):
@@ -127,6 +162,18 @@ class Int4Linear(QuantizedLinear):
             self.register_buffer("scales_and_zeros", both.to(dtype))  # (k / g, n + pad, 2)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        fn = _int4_matmul() if kernels.native_quantized_matmul(x.dtype) and not torch.compiler.is_compiling() else None
+        if fn is not None and x.shape[0] <= KERNEL_MAX_ROWS:  # the C kernel takes 1 to 4 rows
+            (rows, k), n, g = x.shape, self.out_features, self.group_size
+            pairs = x.reshape(rows, k // 2, 2)
+            xe, xo = pairs[..., 0].contiguous(), pairs[..., 1].contiguous()  # the inputs of low and high nibbles
+            sx = x.reshape(rows, k // g, g).sum(-1).contiguous()
+            scales, zeros = self.scales.float().contiguous(), self.zeros.float().contiguous()
+            y = x.new_empty(rows, n)
+            native.split(fn, n, lambda i, lo, hi: (xe.data_ptr(), xo.data_ptr(), sx.data_ptr(), self.codes.data_ptr(),
+                                                   scales.data_ptr(), zeros.data_ptr(), y.data_ptr(), rows, lo, hi,
+                                                   k, g, n))
+            return y
         if not hasattr(self, "packed"):  # quantized off the CPU: no kernel layout to use
             return F.linear(x, self.dequantized(x.dtype))
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,

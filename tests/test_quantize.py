@@ -78,47 +78,31 @@ def test_packed_kernel_and_dense_path_agree(layer):
         assert (y - exact).abs().max() < 0.02 * exact.abs().max()
 
 
+QUANTIZE = importlib.import_module("blockformer.generate.quantize")  # the package exports the function
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-def test_int8_decode_rows_in_fp32_go_through_the_c_kernel_and_equal_the_dequantized_product(threads, monkeypatch):
-    quantize_module = importlib.import_module("blockformer.generate.quantize")  # the package exports the function
-    assert quantize_module._int8_matmul() is not None  # a C compiler is part of the set-up (README)
+@pytest.mark.parametrize("layer,tol", [(lambda: Int8Linear(nn.Linear(200, 77)), 1e-5),  # widths no vector divides
+                                       (lambda: Int4Linear(nn.Linear(192, 50), group_size=64), 1e-4)])  # 3 groups
+def test_decode_rows_in_fp32_go_through_the_c_kernels_and_equal_the_dequantized_product(layer, tol, threads,
+                                                                                         monkeypatch):
+    assert QUANTIZE._int8_matmul() is not None and QUANTIZE._int4_matmul() is not None  # cc is part of the set-up
     calls = []
-    real = quantize_module.native.split
-    monkeypatch.setattr(quantize_module.native, "split", lambda fn, n, call: calls.append(n) or real(fn, n, call))
+    real = QUANTIZE.native.split
+    monkeypatch.setattr(QUANTIZE.native, "split", lambda fn, n, call: calls.append(n) or real(fn, n, call))
     torch.manual_seed(0)
-    q = Int8Linear(nn.Linear(200, 77))  # sizes the vector width does not divide
+    q = layer()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for rows in range(1, KERNEL_MAX_ROWS + 1):
-            x = torch.randn(rows, 200)
+            x = torch.randn(rows, q.in_features)
             exact = x @ q.dequantized(torch.float32).T + q.bias
-            torch.testing.assert_close(q(x), exact, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(q(x.T.contiguous().T), exact, atol=1e-5, rtol=1e-5)  # a strided input
+            torch.testing.assert_close(q(x), exact, atol=tol, rtol=tol)
+            torch.testing.assert_close(q(x.T.contiguous().T), exact, atol=tol, rtol=tol)  # a strided input
     finally:
         torch.set_num_threads(before)
-    assert calls == [77] * 2 * KERNEL_MAX_ROWS
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_int4_decode_rows_in_fp32_go_through_the_c_kernel_and_equal_the_dequantized_product(threads, monkeypatch):
-    quantize_module = importlib.import_module("blockformer.generate.quantize")
-    assert quantize_module._int4_matmul() is not None
-    calls = []
-    real = quantize_module.native.split
-    monkeypatch.setattr(quantize_module.native, "split", lambda fn, n, call: calls.append(n) or real(fn, n, call))
-    torch.manual_seed(0)
-    q = Int4Linear(nn.Linear(192, 50), group_size=64)  # 3 groups a row; 50 outputs
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for rows in range(1, KERNEL_MAX_ROWS + 1):
-            x = torch.randn(rows, 192)
-            exact = x @ q.dequantized(torch.float32).T + q.bias
-            torch.testing.assert_close(q(x), exact, atol=1e-4, rtol=1e-4)
-    finally:
-        torch.set_num_threads(before)
-    assert calls == [50] * KERNEL_MAX_ROWS
+    assert calls == [q.out_features] * 2 * KERNEL_MAX_ROWS  # every call took the C kernel, split by output
 
 
 def test_int4_group_size_falls_back_to_one_that_divides_the_row():

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "blockformer"
 
 # (layer, the top-level modules or packages in it). docs/ARCHITECTURE.md draws the same map.
 LAYERS = [
-    ("leaf", {"errors", "textformats", "paths", "hardware", "kernels", "schema", "precision", "presets"}),
+    ("leaf", {"errors", "textformats", "paths", "hardware", "kernels", "native", "schema", "precision", "presets"}),
     ("model config", {"config"}),
     ("components", {"nn"}),
     ("models", {"models", "stats"}),

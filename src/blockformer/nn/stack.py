@@ -58,7 +58,7 @@ class Stack(nn.Module):
             masks = [self._mask(positions[0, s.start : s.start + s.rows * s.tokens].view(s.rows, s.tokens),
                                 s.k_pos, s.k_valid, _written(s.cache_pos, s.k_pos.shape[1]))
                      for s in cache.segments]
-            return AttnInputs(rope=rope, cache=cache, segment_masks=masks)
+            return AttnInputs(rope=rope, cache=cache, segment_masks=masks, valid=attention_mask)
         if cache is None:
             k_pos, k_valid, causal = positions, attention_mask, None
         else:

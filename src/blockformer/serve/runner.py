@@ -102,6 +102,9 @@ class PagedView(KVCache):
         raise NotImplementedError("a paged view is made for one call")
 
 
+PACKED_ROWS = 8  # a packed call's token count is rounded up to a multiple of this (``run_packed``)
+
+
 class PackedView(KVCache):
     """The pool seen as a ``KVCache`` for one packed call: the rows' new tokens side by side
     in one input row, in ``segments`` of consecutive rows with the same number of new
@@ -131,10 +134,12 @@ class PackedView(KVCache):
         queries (1, H, N, hd) attend to its rows' keys: decoding rows read the pool in place
         (the C kernel), the others a gathered copy through SDPA. Returns (1, N, H * hd)."""
         pk, pv = self.pool.k[layer], self.pool.v[layer]  # (slots, H_kv, hd)
-        pk.index_copy_(0, self.write, k[0].transpose(0, 1).to(pk.dtype))
-        pv.index_copy_(0, self.write, v[0].transpose(0, 1).to(pv.dtype))
+        n = len(self.write)  # the real tokens; any after them are padding
+        pk.index_copy_(0, self.write, k[0, :, :n].transpose(0, 1).to(pk.dtype))
+        pv.index_copy_(0, self.write, v[0, :, :n].transpose(0, 1).to(pv.dtype))
         _, H, N, hd = q.shape
         y = q.new_empty(N, H, hd)
+        y[n:] = 0  # the padding's rows: no segment, no attention
         for seg, read, mask in zip(self.segments, self.reads, masks):
             a, b = seg.start, seg.start + seg.rows * seg.tokens
             q_s = q[0, :, a:b].unflatten(1, (seg.rows, seg.tokens)).transpose(0, 1)  # (rows, H, tokens, hd)
@@ -251,16 +256,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_packed(self, rows: list[RowInput]) -> torch.Tensor:
-        """A decoder's rows in one packed call: logits (B, V) in the order of ``rows``."""
+        """A decoder's rows in one packed call: logits (B, V) in the order of ``rows``. The
+        packed row is padded to a multiple of ``PACKED_ROWS``: oneDNN keeps a primitive per
+        matmul shape, and a server that gave it every token count up to its budget would grow
+        by tens of MB in that cache (tests/test_serve_http.py's load test saw it). The padding
+        belongs to no segment: it writes no key and attends to nothing, and MoE routes it
+        nowhere."""
         order = sorted(range(len(rows)), key=lambda b: len(rows[b].tokens))  # stable: decodes first, as one segment
         rows = [rows[b] for b in order]
         view = PackedView(self.pool, rows)
-        tokens = torch.tensor([[t for r in rows for t in r.tokens]], device=self.device)
-        positions = torch.from_numpy(np.concatenate([np.arange(r.n_past, r.n_past + len(r.tokens)) for r in rows]))
+        n = sum(len(r.tokens) for r in rows)
+        N = -(-n // PACKED_ROWS) * PACKED_ROWS
+        tokens = torch.zeros(1, N, dtype=torch.long)
+        tokens[0, :n] = torch.tensor([t for r in rows for t in r.tokens])
+        positions = torch.zeros(1, N, dtype=torch.long)
+        positions[0, :n] = torch.from_numpy(np.concatenate([np.arange(r.n_past, r.n_past + len(r.tokens)) for r in rows]))
+        real = torch.arange(N) < n
         last = torch.from_numpy(np.cumsum([len(r.tokens) for r in rows]) - 1).to(self.device)
         with trusted_inputs():
-            h = self.model.hidden_states(tokens, positions=positions[None].to(self.device), cache=view,
-                                         cache_pos=torch.arange(tokens.shape[1], device=self.device))
+            h = self.model.hidden_states(tokens.to(self.device), positions=positions.to(self.device),
+                                         attention_mask=real[None].to(self.device),
+                                         cache=view, cache_pos=torch.arange(N, device=self.device))
             logits = self.model.head_logits(h[:, last])[0].float()
         return logits[torch.from_numpy(np.argsort(order)).to(self.device)]
 

@@ -12,7 +12,6 @@ tokens scattered through the pool; the three outputs are checked equal.
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import torch
@@ -20,6 +19,8 @@ import torch.nn.functional as F
 
 from blockformer.serve.paged_attention import decode_attention, kernel
 from blockformer.serve.runner import gather
+
+from common import cpu_kind
 
 
 def timed(fn, repeats: int) -> float:
@@ -68,8 +69,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split() if platform.system() == "Linux" else []
-    kind = "AVX512-BF16" if "avx512_bf16" in flags else "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
+    kind = cpu_kind()
     lines = [f"# Paged attention: one decode step's attention per layer ({kind} CPU, {args.threads} thread(s), "
              f"torch {torch.__version__})", "",
              "| rows | past tokens | contiguous cache (us) | gathered from blocks (us) | in place, C kernel (us) "

@@ -11,7 +11,6 @@ step runs them; GFLOP/s and the fraction of the machine's fp32 peak (``blockform
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import torch
@@ -19,6 +18,8 @@ from torch import nn
 
 from blockformer.generate.packed import PackedLinear, can_pack
 from blockformer.train.throughput import peak_flops
+
+from common import cpu_kind
 
 
 def layers(d: int = 768, n_layers: int = 12, vocab: int = 8000) -> list[nn.Module]:
@@ -50,8 +51,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split() if platform.system() == "Linux" else []
-    kind = "AVX512-BF16" if "avx512_bf16" in flags else "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
+    kind = cpu_kind()
     peak = peak_flops(torch.device("cpu"), "fp32", refresh=True) / 1e9
     modules = layers()
     lines = [f"# A serving step's matmuls, GPT-2-small, fp32 ({kind} CPU, {args.threads} thread(s), torch "

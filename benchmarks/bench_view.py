@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -29,10 +28,7 @@ from blockformer.run_config import RunConfig
 from blockformer.tokenizers import train_tokenizer
 from blockformer.train.checkpoint import save_checkpoint
 
-
-def cpu_kind() -> str:
-    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split() if platform.system() == "Linux" else []
-    return "AVX512-BF16" if "avx512_bf16" in flags else "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
+from common import cpu_kind
 
 
 def median_s(fn, repeats: int) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 
 import numpy as np
@@ -11,6 +13,15 @@ from blockformer import TransformerConfig, build_model
 from blockformer.data.lm import LMDataset
 from blockformer.train.objective import LanguageModelling
 from blockformer.precision import resolve_precision
+
+
+def cpu_kind() -> str:
+    """The CPU kind a figure was measured on (AVX512-BF16, AVX512, AVX2), and the cap that
+    ``ATEN_CPU_CAPABILITY`` set, if any."""
+    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split() if platform.system() == "Linux" else []
+    kind = "AVX512-BF16" if "avx512_bf16" in flags else "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
+    cap = os.environ.get("ATEN_CPU_CAPABILITY")
+    return f"{kind}, capped to {cap} (ATEN_CPU_CAPABILITY)" if cap else kind
 
 
 def add_shape_args(p) -> None:

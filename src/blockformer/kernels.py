@@ -85,7 +85,7 @@ def packs_on_this_cpu(dtype: torch.dtype) -> bool:
 # --- serving (serve/runner.py) ------------------------------------------------------------
 
 # Decoding rows attend through the C kernel that reads the paged pool in place (serve/paged_attention.py),
-# not a gathered copy and SDPA: 3-4x faster at 16-64 rows (BENCHMARKS.md "Serving", "Paged attention").
+# not a gathered copy and SDPA: 3.6-6x faster at 1-64 rows (BENCHMARKS.md "Serving", "Paged attention").
 PAGED_DECODE_KERNEL = True
 
 

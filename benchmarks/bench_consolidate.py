@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_rank_memory import OVERRIDES  # noqa: E402
+from common import cpu_kind  # noqa: E402
 
 MEASURE = r"""
 import resource, sys
@@ -85,7 +86,8 @@ def main() -> None:
         params = sum(t.numel() for t in a.values())
         largest = max(t.numel() for t in a.values())
         print(json.dumps({"parameters": params, "weights_mib": 4 * params / 2**20, "largest_tensor_mib": 4 * largest / 2**20,
-                          "whole_peak_mib": got["whole"], "streamed_peak_mib": got["streamed"], "same_tensors": same}))
+                          "whole_peak_mib": got["whole"], "streamed_peak_mib": got["streamed"], "same_tensors": same,
+                          "cpu_kind": cpu_kind()}))
 
 
 if __name__ == "__main__":

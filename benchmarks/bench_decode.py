@@ -42,10 +42,12 @@ from pathlib import Path
 
 import torch
 
-from common import add_shape_args, gpt2_config, hf_gpt2, timed
+from common import add_shape_args, cpu_kind, gpt2_config, hf_gpt2, timed
 
 from blockformer.generate import generate, pack_linears, speculative_generate
+from blockformer.generate.packed import PackedLinear
 from blockformer.generate.quantize import Int4Linear, Int8Linear, quantize
+from blockformer.train.throughput import format_bytes_per_s, memory_bandwidth
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear}
@@ -98,6 +100,7 @@ def main() -> None:
     max_len = args.prompt + n
     results: dict[str, float] = {}
     notes: dict[str, str] = {}
+    step_bytes: dict[str, int] = {}  # weight bytes a variant reads per decode step
 
     cfg = gpt2_config(args.layers, args.d_model, args.heads, args.vocab, max(1024, max_len))
     if args.checkpoint:
@@ -142,6 +145,7 @@ def main() -> None:
 
         run(n if "compiled" in name else min(n, 8))  # warm-up (the compiled step's shapes depend on n)
         results[f"blockformer {name}"] = B * n / timed(run, device, args.repeats)
+        step_bytes[f"blockformer {name}"] = weight_bytes(ours)
         if name == "packed":
             assert run() == expected(), "packed weights must give plain greedy's tokens"
             notes[f"blockformer {name}"] = "output identical to greedy"
@@ -159,8 +163,8 @@ def main() -> None:
         run_floor()
         name = "matmuls alone: plain torch.mm by every matmul weight, once per token"
         results[name] = B * n / timed(run_floor, device, args.repeats)
-        notes[name] = (f"{sum(w.numel() * w.element_size() for w in weights) / 1e6:.0f} MB of weights per token; "
-                       "what the unpacked kernel allows")
+        step_bytes[name] = sum(w.numel() * w.element_size() for w in weights)
+        notes[name] = f"{step_bytes[name] / 1e6:.0f} MB of weights per token; what the unpacked kernel allows"
 
     if "speculative" not in args.skip:
         target = float_model
@@ -192,15 +196,23 @@ def main() -> None:
 
         run_hf(min(n, 8))
         results["hf GPT2LMHeadModel.generate"] = B * n / timed(run_hf, device, args.repeats)
+        step_bytes["hf GPT2LMHeadModel.generate"] = sum(w.numel() * w.element_size() for w in matmul_weights(hf))
 
     hf_rate = results.get("hf GPT2LMHeadModel.generate")
+    bandwidth = memory_bandwidth(device)
     lines = [f"greedy decode, batch {B}, prompt {args.prompt}, {n} new tokens, {args.layers} layers, "
              f"d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, {args.dtype}, {device}, "
-             f"threads {torch.get_num_threads()}, best of {args.repeats}, torch {torch.__version__}",
-             "", "| variant | tokens/s (all rows) | vs HF | note |", "| --- | ---: | ---: | --- |"]
+             f"threads {torch.get_num_threads()}, best of {args.repeats}, torch {torch.__version__}"
+             + (f", CPU {cpu_kind()}" if device.type == "cpu" else ""),
+             f"memory bandwidth {format_bytes_per_s(bandwidth)} (streaming read, `blockformer info --peak`); "
+             "weight reads = weight bytes per step x steps/s (the KV cache and activations not counted)",
+             "", "| variant | tokens/s (all rows) | vs HF | weight reads | of bandwidth | note |",
+             "| --- | ---: | ---: | ---: | ---: | --- |"]
     for name, rate in results.items():
         ratio = f"{rate / hf_rate:.2f}x" if hf_rate else "-"
-        lines.append(f"| {name} | {rate:.1f} | {ratio} | {notes.get(name, '')} |")
+        reads = step_bytes.get(name, 0) * rate / B  # one step per token of each row
+        read_cols = f"{format_bytes_per_s(reads)} | {reads / bandwidth:.0%}" if reads else "- | -"
+        lines.append(f"| {name} | {rate:.1f} | {ratio} | {read_cols} | {notes.get(name, '')} |")
     print("\n".join(lines))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -209,8 +221,26 @@ def main() -> None:
 
 def matmul_weights(model) -> list[torch.Tensor]:
     """The weights a decode step multiplies by: every ``nn.Linear`` (the blocks and the
-    output head; the token embedding is a lookup)."""
-    return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    output head; the token embedding is a lookup). Hugging Face's GPT-2 keeps its block
+    matmuls in ``Conv1D`` modules."""
+    return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"]
+
+
+def weight_bytes(model) -> int:
+    """The bytes a batch-1 decode step of ``model`` reads its matmul weights from: each
+    float or packed linear's weight, each quantized one's codes and scales."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            parts = [m.weight, m.scales]
+        elif isinstance(m, Int4Linear):
+            parts = [m.codes, m.scales, m.zeros]
+        elif isinstance(m, (torch.nn.Linear, PackedLinear)):
+            parts = [m.weight]
+        else:
+            continue
+        total += sum(p.numel() * p.element_size() for p in parts)
+    return total
 
 
 def build_model_for(cfg, device, dtype):

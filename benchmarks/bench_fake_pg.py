@@ -23,6 +23,8 @@ from blockformer.parallel.simulate import simulate
 from blockformer.parallel.plan import plan
 from blockformer.run_config import load_run_config
 
+from common import cpu_kind
+
 LLAMA_70B = ["model.d_model=8192", "model.n_layers=80", "model.n_heads=64", "model.n_kv_heads=8",
              "model.d_ff=28672", "train.name=llama-70b"]  # Llama 2 70B (Touvron et al. 2023), on the 7B preset
 MODELS = {"llama-7b": [], "llama-70b": LLAMA_70B}
@@ -50,7 +52,7 @@ def main() -> None:
                 print(f"| {model} | {ranks} | {layout} ({d['dp_shard']} x {d['tp']}) | {got['parameters_per_rank']:,} "
                       f"| {got['bytes_per_rank'] / GIB:.3f} | {planned / GIB:.3f} | {got['bytes_per_rank'] / planned:.4f} "
                       f"| {4 * got['parameters'] / GIB:.1f} |")
-    print(f"\n({time.perf_counter() - t0:.0f} s; parameters in fp32, rank 0 of each job)")
+    print(f"\n({time.perf_counter() - t0:.0f} s, CPU {cpu_kind()}; parameters in fp32, rank 0 of each job)")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ from blockformer.train.checkpoint import read_config
 from blockformer.train.finetune import build_model_for
 from blockformer.train.setup import build_head_objective
 
+from common import cpu_kind
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -114,10 +116,11 @@ def main() -> int:
             f"train.lr={args.lora_lr}"]
     rows["pre-trained + LoRA"] = finetune("lora", lora, args.work, base)
     result = {"data": counts, "mlm": {"minutes": mlm_minutes, **mlm.val, "steps": mlm.step},
-              "lora_rank": args.lora_rank, "rows": rows}
+              "lora_rank": args.lora_rank, "cpu_kind": cpu_kind(), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    table = ["| model | accuracy | macro F1 | trainable parameters | minutes |", "|---|---|---|---|---|"]
+    table = [f"CPU {result['cpu_kind']}, {torch.get_num_threads()} threads", "",
+             "| model | accuracy | macro F1 | trainable parameters | minutes |", "|---|---|---|---|---|"]
     for name, r in rows.items():
         table.append(f"| {name} | {r['accuracy']:.3f} | {r['macro_f1']:.3f} | {r['trainable_params']:,} | "
                      f"{r['minutes']:.1f} |")

@@ -21,6 +21,8 @@ import torch
 from blockformer.scaling import fit_chinchilla
 from blockformer.scaling.fit import GRID, bootstrap_samples, percentile_intervals
 
+from common import cpu_kind
+
 TRUE = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)  # Hoffmann et al.'s constants
 LEVELS, CHECKED = (0.90, 0.95), ("E", "alpha", "beta")
 
@@ -45,6 +47,7 @@ def main() -> None:
         for level, c in hits:
             lo, hi = percentile_intervals(samples, level)[c]
             hits[level, c] += lo <= TRUE[c] <= hi
+    print(f"{args.threads} thread(s), CPU {cpu_kind()}\n")
     print(f"| nominal | {' | '.join(CHECKED)} | (binomial sd over {args.draws} draws) |")
     print(f"|---|{'---:|' * len(CHECKED)}---:|")
     for level in LEVELS:

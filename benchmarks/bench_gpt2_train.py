@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import add_shape_args, blockformer_gpt2, device_and_precision, gpt2_config, hf_gpt2, sync, synthetic_lm
+from common import (add_shape_args, blockformer_gpt2, cpu_kind, device_and_precision, gpt2_config, hf_gpt2, sync,
+                    synthetic_lm)
 
 from blockformer.run_config import TrainConfig
 from blockformer.stats import flops_per_token
@@ -126,7 +127,8 @@ def main() -> int:
     lines = [f"training step, {args.layers} layers, d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, "
              f"batch {args.batch} x {args.seq_len}, {precision} autocast ({args.precision}), {device}, threads "
              f"{torch.get_num_threads()}, {precision} matmul peak {format_flops(peak)}, median of {args.steps} steps "
-             f"after {args.warmup}, torch {torch.__version__} (`{' '.join(sys.argv)}`)", "",
+             f"after {args.warmup}, torch {torch.__version__}" + (f", CPU {cpu_kind()}" if device.type == "cpu" else "")
+             + f" (`{' '.join(sys.argv)}`)", "",
              "| variant | mode | tokens/s | MFU | vs HF (same mode) |", "| --- | --- | ---: | ---: | ---: |"]
     for r in results:
         ratio = f"{r['ratio_vs_hf']:.2f}x" if r["ratio_vs_hf"] else "-"
@@ -134,7 +136,8 @@ def main() -> int:
     print("\n".join(lines))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"command": " ".join(sys.argv), "peak_flops": peak,
-                                                         "flops_per_token": fpt, "rows": results}, indent=2) + "\n")
+                                                         "flops_per_token": fpt, "cpu_kind": cpu_kind(),
+                                                         "rows": results}, indent=2) + "\n")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -37,6 +37,8 @@ import torch
 from blockformer.run_config import load_run_config
 from blockformer.train import load_checkpoint, train
 
+from common import cpu_kind
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -201,13 +203,14 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     seeds = [int(s) for s in args.seeds.split(",")]
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    report = {"benchmark": "other inputs", "threads": torch.get_num_threads(), "command": " ".join(sys.argv)}
+    report = {"benchmark": "other inputs", "threads": torch.get_num_threads(), "cpu_kind": cpu_kind(),
+              "command": " ".join(sys.argv)}
     with tempfile.TemporaryDirectory() as tmp:
         for part in parts:
             report[part] = {"digits": digits, "vowels": vowels, "strings": strings}[part](args, seeds, Path(tmp))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    md = [f"Other inputs, {report['threads']} threads (`{report['command']}`)", ""]
+    md = [f"Other inputs, {report['threads']} threads, CPU {report['cpu_kind']} (`{report['command']}`)", ""]
     if "digits" in report:
         d = report["digits"]
         s = d["vit_test_accuracy"]

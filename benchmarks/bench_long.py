@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import device_and_precision
+from common import cpu_kind, device_and_precision
 
 from blockformer import TransformerConfig, build_model
 from blockformer.probes.memory import TensorMemory
@@ -97,8 +97,8 @@ def main() -> int:
             print(json.dumps(rows[-1]), flush=True)
     mib = 2**20
     lines = [f"causal training step at batch 1: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, "
-             f"{precision} ({args.precision}), {device}, threads {torch.get_num_threads()}, torch {torch.__version__} "
-             f"(`{' '.join(sys.argv)}`)", "",
+             f"{precision} ({args.precision}), {device}, threads {torch.get_num_threads()}, torch {torch.__version__}"
+             + (f", CPU {cpu_kind()}" if device.type == "cpu" else "") + f" (`{' '.join(sys.argv)}`)", "",
              "| T | attention path | peak live tensors | largest tensor | step s | tokens/s |"
              + (" CUDA peak |" if device.type == "cuda" else ""),
              "| ---: | --- | ---: | ---: | ---: | ---: |" + (" ---: |" if device.type == "cuda" else "")]
@@ -109,7 +109,8 @@ def main() -> int:
                      f"{r['step_s']:.3f} | {r['tokens_per_s']:,.0f} |{cuda}")
     print("\n".join(lines))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=2) + "\n")
+    args.out.with_suffix(".json").write_text(json.dumps({"command": " ".join(sys.argv), "cpu_kind": cpu_kind(),
+                                                         "rows": rows}, indent=2) + "\n")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
 

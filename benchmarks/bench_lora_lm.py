@@ -119,10 +119,14 @@ def main() -> int:
         out = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True).stdout
         rows[kind] = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
         print(kind, rows[kind], flush=True)
-    result = {"base": str(args.base), "base_minutes": base_minutes, "rank": args.rank, "rows": rows}
+    from common import cpu_kind  # noqa: PLC0415
+
+    result = {"base": str(args.base), "base_minutes": base_minutes, "rank": args.rank, "cpu_kind": cpu_kind(),
+              "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    table = ["| run | val loss | trainable parameters | training state (MiB) | peak RSS (MiB) | weights saved (MiB) | minutes |",
+    table = [f"CPU {result['cpu_kind']}", "",
+             "| run | val loss | trainable parameters | training state (MiB) | peak RSS (MiB) | weights saved (MiB) | minutes |",
              "|---|---|---|---|---|---|---|",
              f"| demo decoder, no fine-tuning | {rows['zero-shot']['val_loss']:.3f} | - | - | - | - | - |"]
     for kind, name in (("full", "full fine-tuning"), ("lora", f"LoRA rank {args.rank}")):

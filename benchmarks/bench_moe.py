@@ -27,6 +27,8 @@ from blockformer.train import load_checkpoint, train
 from blockformer.train.metrics import read_metrics
 from blockformer.train.setup import build_objective
 
+from common import cpu_kind
+
 REPO = Path(__file__).resolve().parents[1]
 MOE = ["model.ffn_experts=8", "model.experts_top_k=2", "model.expert_d_ff=384"]
 
@@ -53,7 +55,7 @@ def run_one(name: str, overrides: list[str], args: argparse.Namespace, work: Pat
     ckpt = load_checkpoint(result.checkpoint)
     loads = validation_load(ckpt, cfg)
     return {"model": name, "steps": result.step, "val_loss": result.val["val_loss"],
-            "tokens_per_s": sum(tok_s) / max(len(tok_s), 1), "wall_s": wall,
+            "tokens_per_s": sum(tok_s) / max(len(tok_s), 1), "wall_s": wall, "cpu_kind": cpu_kind(),
             "parameters": count_parameters(ckpt.model),
             "active_parameters": active_parameters(ckpt.model, ckpt.config.model),
             "expert_load": loads}
@@ -91,7 +93,7 @@ def main() -> None:
     args = parse_args()
     with tempfile.TemporaryDirectory() as work:
         rows = [run_one("dense", [], args, Path(work)), run_one("moe-8x2", MOE, args, Path(work))]
-    text = table(rows)
+    text = f"CPU {rows[0]['cpu_kind']}\n\n" + table(rows)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")

@@ -105,8 +105,10 @@ def main() -> None:
             subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             ranks = [json.loads(report.with_suffix(f".{r}.json").read_text()) for r in range(n)]
             rows.append((name, ranks))
+    from common import cpu_kind  # noqa: PLC0415
+
     print(f"decoder d_model {args.d_model}, {args.layers} layers, global batch {args.batch} x {args.seq_len} "
-          f"tokens, {args.steps} steps, fp32, 1 thread per process\n")
+          f"tokens, {args.steps} steps, fp32, 1 thread per process, CPU {cpu_kind()}\n")
     print("| layout | processes | state per rank (weights+grads+AdamW) | peak RSS growth per rank | tokens/s "
           "| final loss |")
     print("|---|---|---|---|---|---|")

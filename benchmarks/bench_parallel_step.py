@@ -150,8 +150,10 @@ def _worker(rank: int, args, port: int) -> None:
     if rank == 0:
         med = {r["name"]: (statistics.median(r["steps"]), statistics.median(r["opt"]), statistics.median(r["norms"]))
                for r in runs}
+        from common import cpu_kind  # noqa: PLC0415
+
         print(f"{args.d_model=} {args.layers=} {args.seq_len=} {args.batch=} accum={args.accum}, 2 gloo processes, "
-              f"{args.rounds} rounds x {args.steps} steps per variant, interleaved")
+              f"{args.rounds} rounds x {args.steps} steps per variant, interleaved, CPU {cpu_kind()}")
         print(f"{'variant':76s} {'step ms':>9s} {'AdamW ms':>9s} {'norm ms':>9s}")
         for name, (s, o, n) in med.items():
             print(f"{name:76s} {1e3 * s:9.1f} {1e3 * o:9.2f} {1e3 * n:9.2f}")

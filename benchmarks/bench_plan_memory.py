@@ -113,8 +113,11 @@ def planned_block_bytes(tp: int, dp_shard: int) -> float:
 
 
 def main() -> None:
+    from common import cpu_kind  # noqa: PLC0415
+
     torch.set_num_threads(1)
-    print(f"model: {MODEL['n_layers']} x d_model {MODEL['d_model']}, swiglu, GQA, fp32; batch {B} x {S} tokens\n")
+    print(f"model: {MODEL['n_layers']} x d_model {MODEL['d_model']}, swiglu, GQA, fp32; batch {B} x {S} tokens; "
+          f"CPU {cpu_kind()}\n")
     print("| layout | ranks | saved per block, measured | planner | planner / measured |")
     print("| --- | --- | --- | --- | --- |")
     for name, tp, dp in (("one process", 1, 1), ("tp=2 (sequence parallel)", 2, 1), ("dp_shard=2 (FSDP2)", 1, 2)):

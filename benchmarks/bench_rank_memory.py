@@ -105,6 +105,8 @@ def planned(tmp: Path, world: int) -> dict:
 def main() -> None:
     import argparse  # noqa: PLC0415
 
+    from common import cpu_kind  # noqa: PLC0415
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worlds", default="1,2,4,8", help="process counts, comma-separated")
     worlds = [int(w) for w in p.parse_args().worlds.split(",")]
@@ -117,7 +119,7 @@ def main() -> None:
         p1 = planned(tmp, 1)
         print(f"model: {p1['parameters']:,} parameters (fp32 weights + gradients + AdamW: "
               f"{16 * p1['parameters'] / 2**20:,.0f} MiB whole); batch 8 x 64 tokens, {STEPS} steps + one checkpoint; "
-              f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}\n")
+              f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}; CPU {cpu_kind()}\n")
         print("| ranks | layout | training: peak above start, per rank (MiB) | planner total/rank (MiB) "
               "| measured / planner | with the checkpoint save (MiB) | built whole first: training (MiB) |")
         print("| ---: | --- | --- | ---: | ---: | --- | --- |")

@@ -24,6 +24,8 @@ from blockformer.train import load_checkpoint, train
 from blockformer.train.objective import translate_greedy
 from blockformer.train.setup import make_task_for
 
+from common import cpu_kind
+
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"copy": 1.0, "reverse": 1.0, "sort": 1.0, "add": 0.99}
 
@@ -70,12 +72,12 @@ def main() -> int:
         for name in tasks:
             rows.append(run_task(name, args, Path(tmp)))
             print(json.dumps(rows[-1]), flush=True)
-    report = {"benchmark": "synthetic tasks", "threads": torch.get_num_threads(),
+    report = {"benchmark": "synthetic tasks", "threads": torch.get_num_threads(), "cpu_kind": cpu_kind(),
               "command": " ".join(sys.argv), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    md = [f"Synthetic tasks, greedy decoding on the held-out split, {report['threads']} threads "
-          f"(`{report['command']}`)", "",
+    md = [f"Synthetic tasks, greedy decoding on the held-out split, {report['threads']} threads, "
+          f"CPU {report['cpu_kind']} (`{report['command']}`)", "",
           "| task | steps | held-out | exact match | target | train time |", "|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['task']} | {r['steps']} | {r['heldout']} | {100 * r['exact_match']:.1f}% | "

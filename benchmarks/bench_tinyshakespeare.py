@@ -36,6 +36,8 @@ from blockformer.train import train
 from blockformer.train.metrics import read_metrics
 from blockformer.precision import autocast
 
+from common import cpu_kind
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
@@ -195,12 +197,12 @@ def main() -> int:
                     "ratio_vs_fp32_eager_reference": run["tokens_per_s"] / baseline, "wall_s": run["wall_s"],
                 })
                 print(json.dumps(rows[-1]), flush=True)
-    report = {"benchmark": "tinyshakespeare char-lm-tiny", "threads": torch.get_num_threads(),
+    report = {"benchmark": "tinyshakespeare char-lm-tiny", "threads": torch.get_num_threads(), "cpu_kind": cpu_kind(),
               "target_val_loss": 1.88, "command": " ".join(sys.argv), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    md = [f"tinyshakespeare, `char-lm-tiny` shape, {args.steps} steps, {report['threads']} threads "
-          f"(`{report['command']}`)", "",
+    md = [f"tinyshakespeare, `char-lm-tiny` shape, {args.steps} steps, {report['threads']} threads, "
+          f"CPU {report['cpu_kind']} (`{report['command']}`)", "",
           "| precision | mode | val loss, whole split (target <= 1.88) | tokens/s | MFU | "
           "plain PyTorch tokens/s (same precision and mode) | ratio | ratio vs plain PyTorch fp32 eager |",
           "|---|---|---|---|---|---|---|---|"]

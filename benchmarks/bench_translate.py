@@ -34,6 +34,8 @@ from blockformer.train.average import average_checkpoints
 from blockformer.train.checkpoint import resolve_checkpoint, step_checkpoints
 from blockformer.precision import autocast
 
+from common import cpu_kind
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "multi30k"
 
@@ -117,14 +119,14 @@ def main() -> int:
             chosen = candidates[-n:]
             rows += score(average_checkpoints(chosen, run_dir / f"avg{n}"), sources, refs, args)
             info["averaged"][f"avg{n}"] = [p.name for p in chosen]
-    report = {"benchmark": "multi30k de-en", "threads": torch.get_num_threads(), "train_minutes": minutes,
-              "val_sentences": len(sources), "decode_precision": args.precision,
+    report = {"benchmark": "multi30k de-en", "threads": torch.get_num_threads(), "cpu_kind": cpu_kind(),
+              "train_minutes": minutes, "val_sentences": len(sources), "decode_precision": args.precision,
               "command": " ".join(sys.argv), **info, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     trained = f"{minutes:.1f} min of training, {info['steps']} steps" if minutes is not None else "given checkpoint"
     md = [f"Multi30k de->en, val ({len(sources)} sentences), detokenised cased sacreBLEU; {trained}; "
-          f"{report['threads']} threads (`{report['command']}`)", "",
+          f"{report['threads']} threads, CPU {report['cpu_kind']} (`{report['command']}`)", "",
           "| checkpoint | search | BLEU | chrF2 | sentences/s |", "|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {Path(r['checkpoint']).name} | {r['search']} | {r['bleu']:.2f} | {r['chrf']:.2f} | "

@@ -81,15 +81,22 @@ def test_packed_kernel_and_dense_path_agree(layer):
 QUANTIZE = importlib.import_module("blockformer.generate.quantize")  # the package exports the function
 
 
+def count_kernel_calls(monkeypatch) -> list[tuple[int, int]]:
+    """(output channels, threads) of each call into the int8 and int4 C kernels from now on."""
+    calls = []
+    for name in ("_int8_matmul", "_int4_matmul"):
+        real = getattr(QUANTIZE, name)()
+        monkeypatch.setattr(QUANTIZE, name, lambda real=real: lambda *a: calls.append(a[-2:]) or real(*a))
+    return calls
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layer,tol", [(lambda: Int8Linear(nn.Linear(200, 77)), 1e-5),  # widths no vector divides
                                        (lambda: Int4Linear(nn.Linear(192, 50), group_size=64), 1e-4)])  # 3 groups
 def test_decode_rows_in_fp32_go_through_the_c_kernels_and_equal_the_dequantized_product(layer, tol, threads,
                                                                                          monkeypatch):
     assert QUANTIZE._int8_matmul() is not None and QUANTIZE._int4_matmul() is not None  # cc is part of the set-up
-    calls = []
-    real = QUANTIZE.native.split
-    monkeypatch.setattr(QUANTIZE.native, "split", lambda fn, n, call: calls.append(n) or real(fn, n, call))
+    calls = count_kernel_calls(monkeypatch)
     torch.manual_seed(0)
     q = layer()
     before = torch.get_num_threads()
@@ -102,7 +109,19 @@ def test_decode_rows_in_fp32_go_through_the_c_kernels_and_equal_the_dequantized_
             torch.testing.assert_close(q(x.T.contiguous().T), exact, atol=tol, rtol=tol)  # a strided input
     finally:
         torch.set_num_threads(before)
-    assert calls == [q.out_features] * 2 * KERNEL_MAX_ROWS  # every call took the C kernel, split by output
+    assert calls == [(q.out_features, threads)] * 2 * KERNEL_MAX_ROWS  # every call took the C kernel, on each thread
+
+
+def test_a_compiled_step_calls_the_c_kernels_as_custom_ops_and_equals_the_dequantized_product(monkeypatch):
+    calls = count_kernel_calls(monkeypatch)
+    torch.manual_seed(0)
+    layers = nn.Sequential(Int8Linear(nn.Linear(96, 64)), nn.GELU(), Int4Linear(nn.Linear(64, 40), group_size=32))
+    compiled = torch.compile(layers, fullgraph=True)  # fullgraph: the ops trace without a graph break
+    x = torch.randn(2, 96)
+    hidden = torch.nn.functional.gelu(x @ layers[0].dequantized(torch.float32).T + layers[0].bias)
+    exact = hidden @ layers[2].dequantized(torch.float32).T + layers[2].bias
+    torch.testing.assert_close(compiled(x), exact, atol=1e-4, rtol=1e-4)
+    assert [n for n, _ in calls] == [64, 40]  # both products ran in the C kernels, not torch's int8/int4 ops
 
 
 def test_int4_group_size_falls_back_to_one_that_divides_the_row():

@@ -3,6 +3,7 @@ copy and SDPA give, on every thread count and head grouping; where it cannot be 
 engine says so and falls back, with the same tokens."""
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,6 +76,16 @@ def test_without_a_compiler_the_engine_warns_and_falls_back(monkeypatch, tmp_pat
     finally:
         native.load.cache_clear()
         paged_attention.kernel.cache_clear()
+
+
+def test_the_kernels_split_their_work_on_torchs_own_openmp_runtime():
+    """A kernel's threads are torch's (waking them costs microseconds; a Python thread pool
+    of their own cost 140 us a call): each library is linked against libgomp.so.1, and the
+    process then holds one OpenMP runtime, the one torch loaded."""
+    libs = [native.load(name) for name in ("paged_attention", "int8_matmul", "int4_matmul")]
+    assert all(lib is not None and b"libgomp.so.1" in Path(lib._name).read_bytes() for lib in libs)
+    runtimes = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    assert len(runtimes) == 1  # torch's own (its wheel bundles libgomp.so.1), not a second one beside it
 
 
 def test_the_kernel_is_built_for_the_instruction_set_torch_is_capped_at(monkeypatch):

@@ -10,7 +10,8 @@ from blockformer.stats import flops_per_token
 from blockformer.train import train
 from blockformer.train import throughput
 from blockformer.train.checkpoint import read_config, resolve_checkpoint
-from blockformer.train.throughput import format_flops, machine_key, measure_peak, peak_flops, utilisation
+from blockformer.train.throughput import (format_flops, machine_key, measure_bandwidth, measure_peak,
+                                           memory_bandwidth, peak_flops, utilisation)
 
 from test_train_loop import QUIET, tiny_lm
 
@@ -83,12 +84,33 @@ def test_trainer_logs_flops_and_mfu_against_the_cached_peak(tmp_path, monkeypatc
     assert json.loads((tmp_path / "home-cache" / "peak.json").read_text())  # cached for the next run
 
 
-def test_info_peak_measures_fp32_and_bf16(tmp_path, monkeypatch, capsys):
+def test_measured_bandwidth_is_the_bytes_a_sum_reads_over_its_time(monkeypatch):
+    real = measure_bandwidth(torch.device("cpu"), mib=64, repeats=2)
+    assert 1e8 < real < 1e13  # between 0.1 GB/s and 10 TB/s on any CPU
+    clock = iter(range(100))  # perf_counter ticks one second per call: each timed sum takes 1 s
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: float(next(clock)))
+    assert measure_bandwidth(torch.device("cpu"), mib=8, repeats=1) == 8 * 2**20  # 8 MiB read in 1 s
+
+
+def test_bandwidth_is_cached_beside_the_peaks_and_refreshed_on_request(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(throughput, "measure_bandwidth", lambda device: calls.append(device) or 1e10 * len(calls))
+    cpu = torch.device("cpu")
+    assert memory_bandwidth(cpu, cache_dir=tmp_path) == 1e10
+    assert memory_bandwidth(cpu, cache_dir=tmp_path) == 1e10  # cached
+    assert memory_bandwidth(cpu, cache_dir=tmp_path, refresh=True) == 2e10
+    assert json.loads((tmp_path / "peak.json").read_text()) == {f"{machine_key(cpu)}|read": 2e10}
+
+
+def test_info_peak_measures_fp32_and_bf16_and_the_bandwidth(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("BLOCKFORMER_CACHE", str(tmp_path))
     monkeypatch.setattr(throughput, "measure_peak", lambda device, dtype: 4e10 if dtype == torch.float32 else 8e10)
+    monkeypatch.setattr(throughput, "measure_bandwidth", lambda device: 1.42e10)
     assert main(["info", "--peak", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "peak fp32    40 GFLOP/s" in out and "peak bf16    80 GFLOP/s" in out
+    assert "bandwidth    14.2 GB/s  (streaming read of 512 MiB" in out
     assert main(["info", "--peak", "--device", "cpu", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["peak_flops"] == {"fp32": 4e10, "bf16": 8e10}
+    peaks = json.loads(capsys.readouterr().out)
+    assert peaks["peak_flops"] == {"fp32": 4e10, "bf16": 8e10} and peaks["read_bytes_per_s"] == 1.42e10
     assert main(["info"]) == 2  # nothing to describe

@@ -6,9 +6,12 @@ carries its own, in plain C under ``csrc/``, vectorised by the compiler. Each is
 once per source and CPU with ``$CC`` (else ``cc`` or ``gcc``), for the instruction set that
 ``ATEN_CPU_CAPABILITY`` leaves torch (so ``avx2`` gives an AVX2 build on any machine), into
 ``~/.cache/blockformer/kernels`` (``$XDG_CACHE_HOME``; a temporary folder if that is not
-writable), and loaded with ``ctypes``, whose calls release the GIL: ``split`` runs one over
-torch's threads. Where no compiler works, ``load`` warns once and returns None, and the
-caller takes its torch path: slower, never wrong.
+writable), and loaded with ``ctypes``. A kernel splits its work over ``pieces`` threads
+itself, with OpenMP: the library is linked against ``libgomp.so.1``, which is torch's own
+runtime once torch is loaded, so the kernels wake torch's idle threads (a few microseconds)
+rather than threads of their own (a Python thread pool cost 140 us a call). A compiler
+without OpenMP builds the same kernels single-threaded. Where no compiler works, ``load``
+warns once and returns None, and the caller takes its torch path: slower, never wrong.
 """
 
 from __future__ import annotations
@@ -22,8 +25,6 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -52,37 +53,21 @@ def load(name: str) -> ctypes.CDLL | None:
     """``csrc/<name>.c`` built and loaded, or None (and a warning, once) where it cannot be
     built on this machine."""
     source = SOURCES / f"{name}.c"
-    flags = CFLAGS + arch_flags()
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _cpu_id().encode()).hexdigest()[:16]
-    try:
-        return ctypes.CDLL(str(_built(source, f"{name}-{key}.so", flags)))
-    except (OSError, RuntimeError) as e:
-        warnings.warn(f"{name}: the C kernel was not built ({e}); blockformer uses torch's ops instead (slower, "
-                      "same result)", RuntimeWarning, stacklevel=2)
-        return None
+    for threading in (["-fopenmp"], []):  # without OpenMP: the same kernel on one thread
+        flags = CFLAGS + arch_flags() + threading
+        key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _cpu_id().encode()).hexdigest()[:16]
+        try:
+            return ctypes.CDLL(str(_built(source, f"{name}-{key}.so", flags)))
+        except (OSError, RuntimeError) as e:
+            error = e
+    warnings.warn(f"{name}: the C kernel was not built ({error}); blockformer uses torch's ops instead (slower, "
+                  "same result)", RuntimeWarning, stacklevel=2)
+    return None
 
 
 def pieces(total: int) -> int:
-    """How many pieces ``split`` cuts ``total`` items into: one per torch thread."""
+    """How many threads a kernel splits ``total`` items over: torch's, at most one per item."""
     return max(1, min(torch.get_num_threads(), total))
-
-
-def split(fn: Callable, total: int, call: Callable[[int, int, int], tuple]) -> None:
-    """Run ``fn(*call(piece, lo, hi))`` for each of ``pieces(total)`` ranges of ``[0, total)``,
-    on as many threads."""
-    n = pieces(total)
-    bounds = [total * i // n for i in range(n + 1)]
-    if n == 1:
-        fn(*call(0, 0, total))
-        return
-    jobs = [_pool(n).submit(fn, *call(i, bounds[i], bounds[i + 1])) for i in range(n)]
-    for job in jobs:
-        job.result()
-
-
-@functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(threads, thread_name_prefix="blockformer-native")
 
 
 def _cache_dir() -> Path:

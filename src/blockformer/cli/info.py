@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(--set parallel.tp=8 ...): per-rank memory and communication per step")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--peak", action="store_true",
-                        help="measure this machine's matmul peak FLOP/s in fp32 and bf16 (cached for MFU)")
+                        help="measure this machine's matmul peak FLOP/s in fp32 and bf16 (cached for MFU) and its "
+                             "memory bandwidth (what bounds a batch-1 decode step)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="for --peak")
 
 
@@ -128,19 +129,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure_peaks(device_name: str) -> dict:
-    """Matmul peak FLOP/s per precision on ``device_name``, measured now (and cached)."""
+    """Matmul peak FLOP/s per precision and streaming-read bytes/s on ``device_name``, measured
+    now (and cached)."""
     from ..precision import native_bf16, resolve_device  # noqa: PLC0415
-    from ..train.throughput import machine_key, peak_flops  # noqa: PLC0415
+    from ..train.throughput import machine_key, memory_bandwidth, peak_flops  # noqa: PLC0415
 
     device = resolve_device(device_name)
     precisions = ["fp32", "bf16"] + (["fp16"] if device.type == "cuda" else [])
     peaks = {p: peak_flops(device, p, refresh=True) for p in precisions}
     return {"device": str(device), "machine": machine_key(device), "native_bf16": native_bf16(device),
-            "peak_flops": peaks}
+            "peak_flops": peaks, "read_bytes_per_s": memory_bandwidth(device, refresh=True)}
 
 
 def _print_peaks(peaks: dict, as_json: bool) -> None:
-    from ..train.throughput import format_flops  # noqa: PLC0415
+    from ..train.throughput import READ_MIB, format_bytes_per_s, format_flops  # noqa: PLC0415
 
     if as_json:
         print(json.dumps(peaks, indent=2))
@@ -149,6 +151,9 @@ def _print_peaks(peaks: dict, as_json: bool) -> None:
     for precision, value in peaks["peak_flops"].items():
         note = " (emulated: no bf16 units)" if precision == "bf16" and not peaks["native_bf16"] else ""
         print(f"peak {precision:<7} {format_flops(value)}{note}  (best square matmul; MFU is against this)")
+    mib = READ_MIB["cuda" if peaks["device"].startswith("cuda") else "cpu"]
+    print(f"bandwidth    {format_bytes_per_s(peaks['read_bytes_per_s'])}  (streaming read of {mib} MiB; a batch-1 "
+          "decode step reads every weight once, so tokens/s <= this / weight bytes)")
 
 
 def _gib(n: int) -> str:

@@ -6,17 +6,17 @@
  * with G = H / Hkv query heads per key/value head (GQA). The pool is (slots, Hkv, D), so a
  * slot's keys for every head are one contiguous run: each key and value is read once, with
  * no gathered copy (the copy and a second pass over it are what this replaces).
- * `scores` is scratch of H * S floats. Built at first use by blockformer.native with the
- * machine's C compiler; plain C, vectorised by the compiler.
+ * `scores` is scratch of H * S floats per thread. Built at first use by blockformer.native
+ * with the machine's C compiler (and OpenMP where it has it); plain C, vectorised by the compiler.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-void paged_decode_attention_f32(const float *q, const float *pk, const float *pv, const int64_t *read,
-                                const uint8_t *mask, float *out, float *scores, int64_t b0, int64_t b1,
-                                int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale) {
+static void span(const float *q, const float *pk, const float *pv, const int64_t *read, const uint8_t *mask,
+                 float *out, float *scores, int64_t b0, int64_t b1, int64_t S, int64_t H, int64_t Hkv, int64_t D,
+                 float scale) {
     const int64_t G = H / Hkv, slot_stride = Hkv * D;
     float top[H], inv[H];  /* H is a few dozen at most */
     for (int64_t b = b0; b < b1; b++) {
@@ -57,4 +57,15 @@ void paged_decode_attention_f32(const float *q, const float *pk, const float *pv
             }
         }
     }
+}
+
+/* the rows split into `threads` spans, one per thread of torch's OpenMP runtime; `scores`
+ * holds threads * H * S floats */
+void paged_decode_attention_f32(const float *q, const float *pk, const float *pv, const int64_t *read,
+                                const uint8_t *mask, float *out, float *scores, int64_t rows, int64_t S, int64_t H,
+                                int64_t Hkv, int64_t D, float scale, int64_t threads) {
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int64_t t = 0; t < threads; t++)
+        span(q, pk, pv, read, mask, out, scores + t * H * S, rows * t / threads, rows * (t + 1) / threads, S, H, Hkv,
+             D, scale);
 }

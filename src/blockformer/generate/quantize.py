@@ -89,15 +89,10 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scales", scales.to(linear.weight.dtype))
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        fn = _int8_matmul() if kernels.native_quantized_matmul(x.dtype) and not torch.compiler.is_compiling() else None
-        if fn is None or x.shape[0] > KERNEL_MAX_ROWS:  # the C kernel takes 1 to 4 rows
-            return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))
-        x, scales = x.contiguous(), self.scales.float().contiguous()
-        (rows, k), n = x.shape, self.out_features
-        y = x.new_empty(rows, n)
-        native.split(fn, n, lambda i, lo, hi: (x.data_ptr(), self.weight.data_ptr(), scales.data_ptr(), y.data_ptr(),
-                                               rows, lo, hi, k, n))  # output channels over torch's threads
-        return y
+        if _use_native(x, _int8_matmul):
+            op = torch.ops.blockformer.int8_matmul if torch.compiler.is_compiling() else int8_matmul
+            return op(x, self.weight, self.scales)
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.weight.to(dtype) * self.scales.to(dtype)[:, None]
@@ -119,12 +114,53 @@ def _native(name: str, pointers: int, sizes: int):
 
 @functools.cache
 def _int8_matmul():
-    return _native("int8_matmul", 4, 5)
+    return _native("int8_matmul", 4, 4)
 
 
 @functools.cache
 def _int4_matmul():
-    return _native("int4_matmul", 7, 6)
+    return _native("int4_matmul", 5, 5)
+
+
+def _use_native(x: torch.Tensor, library) -> bool:
+    """Whether this product goes to a C kernel: fp32, a decode step's few rows, and (eager) the
+    kernel built. A compiled step cannot ask ``library`` while tracing; its op checks instead."""
+    if not kernels.native_quantized_matmul(x.dtype) or x.shape[0] > KERNEL_MAX_ROWS:
+        return False
+    return torch.compiler.is_compiling() or library() is not None
+
+
+# The C kernels as functions of tensors, and as custom ops (``torch.ops.blockformer.*``) so
+# that a compiled decode step calls them too; eager decoding calls the functions directly
+# (no dispatcher in between). Rows 1 to KERNEL_MAX_ROWS, fp32, output channels split over
+# torch's threads inside the kernel.
+def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (scales[:, None] * weight).T`` by ``csrc/int8_matmul.c`` (torch's kernel if it is not built)."""
+    if _int8_matmul() is None:
+        return torch.ops.aten._weight_int8pack_mm(x, weight, scales.to(x.dtype))
+    x, scales, (rows, k), n = x.contiguous(), scales.float().contiguous(), x.shape, weight.shape[0]
+    y = x.new_empty(rows, n)
+    _int8_matmul()(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), y.data_ptr(), rows, k, n, native.pieces(n))
+    return y
+
+
+def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """``x @ W.T`` for ``Int4Linear``'s codes, scales and zeros, by ``csrc/int4_matmul.c`` (the
+    dequantized weight if it is not built)."""
+    if _int4_matmul() is None:
+        return F.linear(x, dequantize_int4(codes, scales, zeros, group_size, x.dtype))
+    x, (rows, k), n = x.contiguous(), x.shape, codes.shape[0]
+    scales, zeros = scales.float().contiguous(), zeros.float().contiguous()
+    y = x.new_empty(rows, n)
+    _int4_matmul()(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), y.data_ptr(), rows, k,
+                   group_size, n, native.pieces(n))
+    return y
+
+
+for _fn in (int8_matmul, int4_matmul):
+    torch.library.custom_op(f"blockformer::{_fn.__name__}", _fn, mutates_args=()).register_fake(
+        lambda x, w, *rest: x.new_empty(x.shape[0], w.shape[0]))
 
 
 class Int4Linear(QuantizedLinear):
@@ -162,18 +198,9 @@ class Int4Linear(QuantizedLinear):
             self.register_buffer("scales_and_zeros", both.to(dtype))  # (k / g, n + pad, 2)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        fn = _int4_matmul() if kernels.native_quantized_matmul(x.dtype) and not torch.compiler.is_compiling() else None
-        if fn is not None and x.shape[0] <= KERNEL_MAX_ROWS:  # the C kernel takes 1 to 4 rows
-            (rows, k), n, g = x.shape, self.out_features, self.group_size
-            pairs = x.reshape(rows, k // 2, 2)
-            xe, xo = pairs[..., 0].contiguous(), pairs[..., 1].contiguous()  # the inputs of low and high nibbles
-            sx = x.reshape(rows, k // g, g).sum(-1).contiguous()
-            scales, zeros = self.scales.float().contiguous(), self.zeros.float().contiguous()
-            y = x.new_empty(rows, n)
-            native.split(fn, n, lambda i, lo, hi: (xe.data_ptr(), xo.data_ptr(), sx.data_ptr(), self.codes.data_ptr(),
-                                                   scales.data_ptr(), zeros.data_ptr(), y.data_ptr(), rows, lo, hi,
-                                                   k, g, n))
-            return y
+        if _use_native(x, _int4_matmul):
+            op = torch.ops.blockformer.int4_matmul if torch.compiler.is_compiling() else int4_matmul
+            return op(x, self.codes, self.scales, self.zeros, self.group_size)
         if not hasattr(self, "packed"):  # quantized off the CPU: no kernel layout to use
             return F.linear(x, self.dequantized(x.dtype))
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
@@ -181,12 +208,18 @@ class Int4Linear(QuantizedLinear):
         return y[:, : self.out_features]
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        n, k, g = self.out_features, self.in_features, self.group_size
-        q = torch.stack([self.codes & 15, self.codes >> 4], -1).reshape(n, k // g, g).to(dtype)
-        return ((q - 8) * self.scales.to(dtype)[..., None] + self.zeros.to(dtype)[..., None]).reshape(n, k)
+        return dequantize_int4(self.codes, self.scales, self.zeros, self.group_size, dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4, group_size={self.group_size}"
+
+
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The (out_features, in_features) weight that int4 ``codes`` (two per byte) stand for."""
+    n, k, g = codes.shape[0], 2 * codes.shape[1], group_size
+    q = torch.stack([codes & 15, codes >> 4], -1).reshape(n, k // g, g).to(dtype)
+    return ((q - 8) * scales.to(dtype)[..., None] + zeros.to(dtype)[..., None]).reshape(n, k)
 
 
 SCHEMES = ("int8", "int4")

@@ -27,7 +27,7 @@ def kernel():
     if lib is None:
         return None
     fn = lib.paged_decode_attention_f32
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64]
     fn.restype = None
     return fn
 
@@ -38,8 +38,8 @@ def decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
     slots ``read`` (rows, S) where ``mask`` (rows, S) is True; pools (slots, H_kv, D). fp32,
     contiguous, on the CPU. Rows are split over torch's threads."""
     rows, H, D = q.shape
-    S, Hkv = read.shape[1], pool_k.shape[1]
-    scratch = torch.empty(native.pieces(rows), H * S, dtype=torch.float32)  # each piece's scores
-    args = (q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), read.data_ptr(), mask.data_ptr(), out.data_ptr())
-    native.split(kernel(), rows, lambda i, lo, hi: (*args, scratch[i].data_ptr(), lo, hi, S, H, Hkv, D, scale))
+    S, Hkv, threads = read.shape[1], pool_k.shape[1], native.pieces(rows)
+    scratch = torch.empty(threads, H * S, dtype=torch.float32)  # each thread's scores
+    kernel()(q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), read.data_ptr(), mask.data_ptr(), out.data_ptr(),
+             scratch.data_ptr(), rows, S, H, Hkv, D, scale, threads)
     return out

@@ -6,6 +6,11 @@ over the machine's peak. The peak here is measured, not read from a data sheet: 
 of a few square matmuls in the run's dtype, sized to take well under a second. It is
 cached per machine (host, device, CPU threads) in ``~/.cache/blockformer/peak.json``, so a
 run measures it at most once; ``blockformer info --peak`` measures it afresh.
+
+Decoding at batch 1 has the other limit: each step reads every weight once, so its token
+rate is at most the memory bandwidth over the weight bytes. ``memory_bandwidth`` measures
+that one the same way (a streaming read of a buffer larger than any last-level cache) and
+caches it beside the peaks.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from .setup import default_cache_dir
 PEAK_FILE = "peak.json"
 _CPU_SIZES = (256, 512, 1024, 2048)
 _CUDA_SIZES = (2048, 4096, 8192)
+READ_MIB = {"cpu": 512, "cuda": 4096}  # well past a CPU's last-level cache (tens of MiB) and a GPU's L2
 
 
 def measure_peak(
@@ -64,20 +70,47 @@ def peak_flops(
     device: torch.device, precision: str, *, refresh: bool = False, cache_dir: Path | None = None
 ) -> float:
     """This machine's matmul peak for ``precision`` (``fp32``/``bf16``/``fp16``), from the
-    per-machine cache, else measured and cached; ``refresh`` measures again.
+    per-machine cache, else measured and cached; ``refresh`` measures again."""
+    return _cached(device, precision, lambda: measure_peak(device, DTYPES[precision]), refresh, cache_dir)
 
-    A measurement errs only low (another process held a core meanwhile). On a CPU the peak
-    with several threads is at least the one-thread peak, so a cached figure below that one
-    is such an error: it is measured again (it made MFU read over 100%), and a new figure
-    below it is used for this run but not cached."""
+
+def measure_bandwidth(device: torch.device, *, mib: int | None = None, repeats: int = 5) -> float:
+    """Bytes per second that a streaming read draws from ``device``'s memory: the best of
+    ``repeats`` sums of an fp32 buffer of ``mib`` MiB (default ``READ_MIB``), on the
+    threads torch uses, as a decode step reads its weights."""
+    n = (mib or READ_MIB[device.type]) * 2**20 // 4
+    buffer = torch.ones(n, device=device)  # written once: every page is real memory before the timing
+    best = 0.0
+    for _ in range(repeats + 1):  # the first is a warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        buffer.sum()
+        _sync(device)
+        best = max(best, 4 * n / max(time.perf_counter() - t0, 1e-9))
+    return best
+
+
+def memory_bandwidth(device: torch.device, *, refresh: bool = False, cache_dir: Path | None = None) -> float:
+    """This machine's streaming-read bandwidth in bytes/s, cached as ``peak_flops`` is."""
+    return _cached(device, "read", lambda: measure_bandwidth(device), refresh, cache_dir)
+
+
+def _cached(device: torch.device, name: str, measure, refresh: bool, cache_dir: Path | None) -> float:
+    """``measure()`` for this machine and ``name``, from the per-machine cache, else measured
+    and cached; ``refresh`` measures again.
+
+    A measurement errs only low (another process held a core meanwhile). On a CPU the figure
+    with several threads is at least the one-thread figure, so a cached one below that is
+    such an error: it is measured again (it made MFU read over 100%), and a new figure below
+    it is used for this run but not cached."""
     path = (cache_dir or _default_cache_dir()) / PEAK_FILE
-    key = f"{machine_key(device)}|{precision}"
+    key = f"{machine_key(device)}|{name}"
     table = _read(path)
     floor = 0.9 * _number(table.get(key.replace(f"|threads={torch.get_num_threads()}|", "|threads=1|")))
     cached = _number(table.get(key))
     if not refresh and cached > 0 and cached >= floor:
         return cached
-    value = measure_peak(device, DTYPES[precision])
+    value = measure()
     if value < floor:
         return value  # contended now: the next quiet run measures again
     table[key] = value
@@ -103,6 +136,11 @@ def utilisation(flops_per_token: float, tokens: int, seconds: float, peak: float
     if peak:
         record["mfu"] = achieved / peak
     return record
+
+
+def format_bytes_per_s(value: float) -> str:
+    """``14.2 GB/s``."""
+    return f"{value / 1e9:.3g} GB/s"
 
 
 def format_flops(value: float) -> str:

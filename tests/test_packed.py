@@ -8,6 +8,7 @@ from torch import nn
 from blockformer import TransformerConfig, build_model, kernels
 from blockformer.generate import PackedLinear, generate, pack_linears, prepare_for_decoding
 from blockformer.generate import packed as packed_module
+from blockformer.generate.packed import StreamedLinear
 from blockformer.generate.quantize import Int8Linear
 
 DTYPES = [d for d in (torch.float32, torch.bfloat16) if packed_module.can_pack(d)]
@@ -81,5 +82,57 @@ def test_nothing_is_packed_where_packing_is_not_available_or_not_measured(monkey
         for dtype in (torch.float32, torch.bfloat16):
             model = pack_linears(_decoder().to(dtype))
             assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    finally:
+        packed_module.can_pack.cache_clear()
+
+
+def count_f32_kernel_calls(monkeypatch) -> list[int]:
+    """Rows of each call into csrc/f32_matmul.c from now on."""
+    calls = []
+    real = packed_module._f32_matmul()
+    assert real is not None  # a C compiler is part of the set-up (README)
+    monkeypatch.setattr(packed_module, "_f32_matmul", lambda: lambda *a: calls.append(a[4]) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_streamed_linear_takes_few_rows_through_its_kernel_and_computes_the_linear(bias, threads, monkeypatch):
+    calls = count_f32_kernel_calls(monkeypatch)
+    torch.manual_seed(0)
+    linear = nn.Linear(200, 77, bias=bias)  # widths no vector divides
+    streamed = StreamedLinear.of(linear)
+    assert streamed.weight is linear.weight  # shared, not copied
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            for shape in ((1, 200), (2, 2, 200), (4, 200), (5, 200), (3, 4, 200)):
+                x = torch.randn(shape)
+                torch.testing.assert_close(streamed(x), linear(x), atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [1, 4, 4]  # up to 4 rows in the kernel; 5 and 12 rows are F.linear's
+    x = torch.randn(1, 200, requires_grad=True)
+    streamed(x).sum().backward()  # training: F.linear, with gradients
+    assert calls == [1, 4, 4] and x.grad is not None
+
+
+def test_where_fp32_does_not_pack_its_linears_stream_and_decode_the_same_tokens_eager_and_compiled(monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_has", lambda probe: False)  # a CPU with AVX2 alone
+    packed_module.can_pack.cache_clear()
+    try:
+        model = _decoder()
+        prompt = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(1))
+        plain = generate(model, prompt, 12, temperature=0)
+        pack_linears(model)
+        assert sum(isinstance(m, StreamedLinear) for m in model.modules()) == 2 * 4 + 1
+        assert not any(isinstance(m, StreamedLinear) for m in pack_linears(_decoder().to(torch.bfloat16)).modules())
+        calls = count_f32_kernel_calls(monkeypatch)
+        assert generate(model, prompt, 12, temperature=0) == plain
+        eager_calls = len(calls)
+        assert eager_calls == 11 * 9  # 11 one-row steps after the prompt, 9 linears each
+        assert generate(model, prompt, 12, temperature=0, compile=True) == plain  # the kernel as a custom op
+        assert len(calls) > eager_calls
     finally:
         packed_module.can_pack.cache_clear()

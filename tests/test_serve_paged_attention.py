@@ -82,7 +82,7 @@ def test_the_kernels_split_their_work_on_torchs_own_openmp_runtime():
     """A kernel's threads are torch's (waking them costs microseconds; a Python thread pool
     of their own cost 140 us a call): each library is linked against libgomp.so.1, and the
     process then holds one OpenMP runtime, the one torch loaded."""
-    libs = [native.load(name) for name in ("paged_attention", "int8_matmul", "int4_matmul")]
+    libs = [native.load(name) for name in ("paged_attention", "f32_matmul", "int8_matmul", "int4_matmul")]
     assert all(lib is not None and b"libgomp.so.1" in Path(lib._name).read_bytes() for lib in libs)
     runtimes = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
     assert len(runtimes) == 1  # torch's own (its wheel bundles libgomp.so.1), not a second one beside it

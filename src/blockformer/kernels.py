@@ -82,6 +82,14 @@ def packs_on_this_cpu(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and cpu_has("_is_avx512_supported")
 
 
+# fp32 weights that are not packed take blockformer's few-row kernel (csrc/f32_matmul.c, generate/packed.py
+# StreamedLinear): on an AVX2-only EPYC it streamed a GPT-2-small step's weights at 18.7 GB/s where torch.mm
+# at one row drew 9.0 (BENCHMARKS.md "Decode speed ... on an AVX2-only CPU").
+def streams_decode_matmuls(dtype: torch.dtype) -> bool:
+    """Whether a decoding model's unpacked fp32 linears go through blockformer's C kernel at a step's few rows."""
+    return dtype == torch.float32 and not packs_on_this_cpu(dtype)
+
+
 # --- serving (serve/runner.py) ------------------------------------------------------------
 
 # Decoding rows attend through the C kernel that reads the paged pool in place (serve/paged_attention.py),

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ import torch
 from .hardware import cpu_has
 
 SOURCES = Path(__file__).with_name("csrc")
+MAX_ROWS = 4  # the matmul kernels take 1 to 4 rows: a decode step's; more are a dense matmul's job
 # -O3 vectorises the dot products and sums; reassociation is what lets it (no -ffast-math:
 # the kernels compare against finite floors and must keep infinities honest).
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
@@ -63,6 +65,26 @@ def load(name: str) -> ctypes.CDLL | None:
     warnings.warn(f"{name}: the C kernel was not built ({error}); blockformer uses torch's ops instead (slower, "
                   "same result)", RuntimeWarning, stacklevel=2)
     return None
+
+
+def function(name: str, symbol: str, pointers: int, sizes: int, *tail) -> Callable | None:
+    """``symbol`` of ``csrc/<name>.c``, taking ``pointers`` pointers, ``sizes`` int64s and then
+    the ctypes of ``tail``, or None (and a warning, once) where it cannot be built."""
+    lib = load(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * sizes + list(tail)
+    fn.restype = None
+    return fn
+
+
+def matmul_op(fn: Callable) -> None:
+    """Register ``fn(x, w, ...)``, a product of ``x``'s rows by ``w``'s output channels, as
+    ``torch.ops.blockformer.<its name>``: a compiled graph calls it as one opaque op (eager
+    code calls ``fn`` itself, with no dispatcher in between)."""
+    op = torch.library.custom_op(f"blockformer::{fn.__name__}", fn, mutates_args=())
+    op.register_fake(lambda x, w, *rest: x.new_empty(x.shape[0], w.shape[0]))
 
 
 def pieces(total: int) -> int:

@@ -12,6 +12,11 @@ or be saved, and a compiled decode step cannot read it. Like ``quantize``, this 
 step before generation (``prepare_for_decoding(..., pack=True)``, which the CLI uses).
 Packing is used only where ``kernels.packs_on_this_cpu`` says it was measured to pay, with
 a torch built with oneDNN and a probe product equal to ``F.linear``'s.
+
+Where fp32 weights are not packed (an AVX2 CPU), ``StreamedLinear`` takes the few-row
+products instead: ``csrc/f32_matmul.c`` streams the plain weight once for all the rows, at
+about twice the bandwidth torch's matmul draws at one row there. Its weight stays a plain
+tensor, so it can be compiled (the kernel is then ``torch.ops.blockformer.f32_matmul``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernels
+from .. import kernels, native
 from ..models.checks import check_model
 from .linears import swap_linears
 
@@ -68,15 +73,60 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+@functools.cache
+def _f32_matmul():
+    return native.function("f32_matmul", "f32_matmul_f32", 4, 4)
+
+
+def f32_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for 1 to ``native.MAX_ROWS`` fp32 rows by ``csrc/f32_matmul.c``
+    (``F.linear`` itself if the kernel is not built)."""
+    if _f32_matmul() is None:
+        return F.linear(x, weight, bias)
+    x, (rows, k), n = x.contiguous(), x.shape, weight.shape[0]
+    y = x.new_empty(rows, n)
+    _f32_matmul()(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, n,
+                  native.pieces(n))
+    return y
+
+
+native.matmul_op(f32_matmul)
+
+
+class StreamedLinear(nn.Linear):
+    """An ``nn.Linear`` whose fp32 products of a decode step's few rows (inference, on the CPU)
+    go through ``csrc/f32_matmul.c``; anything else is ``F.linear``. Same weights, same module
+    tree: it can be compiled, saved and quantized as the ``nn.Linear`` it replaces."""
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> StreamedLinear:
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias  # shared, not copied
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        compiling = torch.compiler.is_compiling()
+        if (x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu" and rows <= native.MAX_ROWS
+                and not torch.is_grad_enabled() and (compiling or _f32_matmul() is not None)):
+            op = torch.ops.blockformer.f32_matmul if compiling else f32_matmul
+            return op(x.reshape(rows, self.in_features), self.weight, self.bias).reshape(*x.shape[:-1], -1)
+        return F.linear(x, self.weight, self.bias)
+
+
 def pack_linears(model: nn.Module) -> nn.Module:
     """Replace every plain ``nn.Linear`` of a CPU ``model`` in place by a ``PackedLinear``
-    where its dtype packs (``can_pack``); others are left as they are. Returns ``model``,
-    in eval mode."""
+    where its dtype packs (``can_pack``), else by a ``StreamedLinear`` where
+    ``kernels.streams_decode_matmuls`` picks it; others are left as they are. Returns
+    ``model``, in eval mode."""
     check_model(model)
 
-    def make(linear: nn.Linear) -> PackedLinear | None:  # not subclasses: LoRA adds adapters to its product
-        packs = type(linear) is nn.Linear and linear.weight.device.type == "cpu" and can_pack(linear.weight.dtype)
-        return PackedLinear(linear) if packs else None
+    def make(linear: nn.Linear) -> nn.Module | None:  # not subclasses: LoRA adds adapters to its product
+        if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
+            return None
+        if can_pack(linear.weight.dtype):
+            return PackedLinear(linear)
+        return StreamedLinear.of(linear) if kernels.streams_decode_matmuls(linear.weight.dtype) else None
 
     swap_linears(model, make)
     return model.eval()

@@ -23,7 +23,6 @@ quantized here or packed for the CPU kernel (``packed.py``).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
@@ -36,7 +35,7 @@ from ..precision import DTYPES
 from .linears import swap_linears
 from .packed import pack_linears
 
-KERNEL_MAX_ROWS = 4  # the packed CPU kernels beat a dense matmul only for a few rows
+KERNEL_MAX_ROWS = native.MAX_ROWS  # the packed CPU kernels beat a dense matmul only for a few rows
 
 
 class QuantizedLinear(nn.Module):
@@ -101,25 +100,14 @@ class Int8Linear(QuantizedLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def _native(name: str, pointers: int, sizes: int):
-    """``<name>_f32`` of ``csrc/<name>.c`` (``native``), or None where it cannot be built."""
-    lib = native.load(name)
-    if lib is None:
-        return None
-    fn = getattr(lib, f"{name}_f32")
-    fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * sizes
-    fn.restype = None
-    return fn
-
-
 @functools.cache
 def _int8_matmul():
-    return _native("int8_matmul", 4, 4)
+    return native.function("int8_matmul", "int8_matmul_f32", 4, 4)
 
 
 @functools.cache
 def _int4_matmul():
-    return _native("int4_matmul", 5, 5)
+    return native.function("int4_matmul", "int4_matmul_f32", 5, 5)
 
 
 def _use_native(x: torch.Tensor, library) -> bool:
@@ -130,10 +118,9 @@ def _use_native(x: torch.Tensor, library) -> bool:
     return torch.compiler.is_compiling() or library() is not None
 
 
-# The C kernels as functions of tensors, and as custom ops (``torch.ops.blockformer.*``) so
-# that a compiled decode step calls them too; eager decoding calls the functions directly
-# (no dispatcher in between). Rows 1 to KERNEL_MAX_ROWS, fp32, output channels split over
-# torch's threads inside the kernel.
+# The C kernels as functions of tensors, and as custom ops (``native.matmul_op``) so that a
+# compiled decode step calls them too. Rows 1 to KERNEL_MAX_ROWS, fp32, output channels split
+# over torch's threads inside the kernel.
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x @ (scales[:, None] * weight).T`` by ``csrc/int8_matmul.c`` (torch's kernel if it is not built)."""
     if _int8_matmul() is None:
@@ -158,9 +145,8 @@ def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zero
     return y
 
 
-for _fn in (int8_matmul, int4_matmul):
-    torch.library.custom_op(f"blockformer::{_fn.__name__}", _fn, mutates_args=()).register_fake(
-        lambda x, w, *rest: x.new_empty(x.shape[0], w.shape[0]))
+native.matmul_op(int8_matmul)
+native.matmul_op(int4_matmul)
 
 
 class Int4Linear(QuantizedLinear):

@@ -23,13 +23,7 @@ from .. import native
 @functools.cache
 def kernel():
     """The compiled ``paged_decode_attention_f32``, or None where it cannot be built."""
-    lib = native.load("paged_attention")
-    if lib is None:
-        return None
-    fn = lib.paged_decode_attention_f32
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64]
-    fn.restype = None
-    return fn
+    return native.function("paged_attention", "paged_decode_attention_f32", 7, 5, ctypes.c_float, ctypes.c_int64)
 
 
 def decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, read: torch.Tensor,

@@ -45,7 +45,7 @@ import torch
 from common import add_shape_args, cpu_kind, gpt2_config, hf_gpt2, timed
 
 from blockformer.generate import generate, pack_linears, speculative_generate
-from blockformer.generate.packed import PackedLinear
+from blockformer.generate.packed import PackedLinear, is_packed
 from blockformer.generate.quantize import Int4Linear, Int8Linear, quantize
 from blockformer.train.throughput import format_bytes_per_s, memory_bandwidth
 
@@ -69,8 +69,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft-checkpoint", default=None, help="speculative: a trained draft for --checkpoint")
     p.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     p.add_argument("--skip", nargs="*", default=[],
-                   choices=["nocache", "cache", "compiled", "int8-cache", "int8-compiled", "int4-cache",
-                            "int4-compiled", "speculative", "hf"],
+                   choices=["nocache", "cache", "compiled", "packed", "packed-compiled", "matmuls", "int8-cache",
+                            "int8-compiled", "int4-cache", "int4-compiled", "speculative", "hf"],
                    help="variants to leave out (nocache is slow: it recomputes the whole sequence)")
     return p.parse_args()
 
@@ -115,6 +115,7 @@ def main() -> None:
         "cache": dict(use_cache=True),
         "compiled": dict(use_cache=True, compile=True),
         "packed": dict(use_cache=True),
+        "packed-compiled": dict(use_cache=True, compile=True),
         "int8-cache": dict(use_cache=True),
         "int8-compiled": dict(use_cache=True, compile=True),
         "int4-cache": dict(use_cache=True),
@@ -135,8 +136,10 @@ def main() -> None:
         if scheme is not None and not any(isinstance(m, QUANTIZED[scheme]) for m in ours.modules()):
             ours = quantize(copy.deepcopy(float_model), scheme)  # int8 / int4 weights, activations in --dtype
             torch._dynamo.reset()
-        if name == "packed":
+        if name.startswith("packed"):
             ours = pack_linears(copy.deepcopy(float_model))  # the same weights in the CPU kernel's layout
+            if "compiled" in name and is_packed(ours):
+                continue  # oneDNN's layout: eager only (a compiled step cannot read it)
 
         def run(tokens: int = n, kw=kw) -> list[list[int]]:
             out = generate(ours, prompt, tokens, temperature=0, **kw)
@@ -146,7 +149,7 @@ def main() -> None:
         run(n if "compiled" in name else min(n, 8))  # warm-up (the compiled step's shapes depend on n)
         results[f"blockformer {name}"] = B * n / timed(run, device, args.repeats)
         step_bytes[f"blockformer {name}"] = weight_bytes(ours)
-        if name == "packed":
+        if name.startswith("packed"):
             assert run() == expected(), "packed weights must give plain greedy's tokens"
             notes[f"blockformer {name}"] = "output identical to greedy"
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from blockformer import TransformerConfig, build_model
 from blockformer.generate import generate
+from blockformer.kernels import NATIVE_QUANTIZED_ROWS
 from blockformer.generate.quantize import KERNEL_MAX_ROWS, Int4Linear, Int8Linear, prepare_for_decoding, quantize
 
 
@@ -90,6 +91,9 @@ def count_kernel_calls(monkeypatch) -> list[tuple[int, int]]:
     return calls
 
 
+ROWS = [1, 2, 3, 4, 7, 9, NATIVE_QUANTIZED_ROWS + 1]
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layer,tol", [(lambda: Int8Linear(nn.Linear(200, 77)), 1e-5),  # widths no vector divides
                                        (lambda: Int4Linear(nn.Linear(192, 50), group_size=64), 1e-4)])  # 3 groups
@@ -102,14 +106,15 @@ def test_decode_rows_in_fp32_go_through_the_c_kernels_and_equal_the_dequantized_
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in range(1, KERNEL_MAX_ROWS + 1):
+        for rows in ROWS:  # 1 to 4 rows, then blocks of 4 and a remainder, then past the kernel's limit
             x = torch.randn(rows, q.in_features)
             exact = x @ q.dequantized(torch.float32).T + q.bias
             torch.testing.assert_close(q(x), exact, atol=tol, rtol=tol)
             torch.testing.assert_close(q(x.T.contiguous().T), exact, atol=tol, rtol=tol)  # a strided input
     finally:
         torch.set_num_threads(before)
-    assert calls == [(q.out_features, threads)] * 2 * KERNEL_MAX_ROWS  # every call took the C kernel, on each thread
+    # every call up to the limit took the C kernel, on each thread; past it, the dense path
+    assert calls == [(q.out_features, threads)] * 2 * (len(ROWS) - 1)
 
 
 def test_a_compiled_step_calls_the_c_kernels_as_custom_ops_and_equals_the_dequantized_product(monkeypatch):

@@ -104,13 +104,18 @@ def paged_decode_kernel(dtype: torch.dtype, device: torch.device) -> bool:
 
 # --- weight-only int8/int4 decoding (generate/quantize.py) ------------------------------
 
-# fp32 activations at a decode step's few rows go through blockformer's C kernels (csrc/int8_matmul.c,
-# csrc/int4_matmul.c): with fp32 activations torch's int8 and int4 kernels are slower than the fp32 model,
-# ours 2.0x and 1.8x Hugging Face's fp32 decoding with AVX-512, 2.1x and 2.0x capped to AVX2 (BENCHMARKS.md
-# "Quantized decoding with fp32 activations"); bf16 activations keep torch's packed kernels.
-def native_quantized_matmul(dtype: torch.dtype) -> bool:
-    """Whether a quantized layer's decode-step product uses blockformer's C kernel (fp32 activations)."""
-    return dtype == torch.float32
+# fp32 activations go through blockformer's C kernels (csrc/int8_matmul.c, csrc/int4_matmul.c) up to
+# NATIVE_QUANTIZED_ROWS rows: torch's int8 and int4 kernels are slower than the fp32 model with fp32
+# activations, and the dense path dequantizes every weight per call. On an AVX2-only EPYC, GPT-2-small
+# decoding ran at 2.6-3.0x (int8) and 2.4-2.9x (int4) Hugging Face's fp32 (BENCHMARKS.md "Decode speed ... on an
+# AVX2-only CPU"); at 256 rows the dense path overtook the kernel on a 768x3072 weight (13 ms against 17 int8).
+# bf16 activations keep torch's packed kernels for a decode step's few rows.
+NATIVE_QUANTIZED_ROWS = 128
+
+
+def native_quantized_matmul(dtype: torch.dtype, rows: int) -> bool:
+    """Whether a quantized layer's product of ``rows`` rows uses blockformer's C kernel (fp32 activations)."""
+    return dtype == torch.float32 and rows <= NATIVE_QUANTIZED_ROWS
 
 
 # --- precision "auto" (precision.py) -----------------------------------------------------

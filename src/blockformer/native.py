@@ -33,7 +33,6 @@ import torch
 from .hardware import cpu_has
 
 SOURCES = Path(__file__).with_name("csrc")
-MAX_ROWS = 4  # the matmul kernels take 1 to 4 rows: a decode step's; more are a dense matmul's job
 # -O3 vectorises the dot products and sums; reassociation is what lets it (no -ffast-math:
 # the kernels compare against finite floors and must keep infinities honest).
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",

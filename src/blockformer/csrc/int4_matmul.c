@@ -1,4 +1,4 @@
-/* A weight-only int4 matmul at a decode step's few rows. Weights: codes q in 0..15, two per
+/* A weight-only int4 matmul at a decode step's (or a short prompt's) few rows. Weights: codes q in 0..15, two per
  * byte (low nibble: even input, high: odd), W[o, k] = (q - 8) * scale[o, g] + zero[o, g] for
  * k in group g of G inputs. Per group the codes are summed against the input first:
  *     y[r, o] = sum_g scale[o, g] * (sum_{k in g} x[r, k] q[o, k]) + (zero[o, g] - 8 scale[o, g]) sx[r, g]
@@ -98,21 +98,32 @@ ROWS(2)
 ROWS(3)
 ROWS(4)
 
+/* Output channels in chunks whose codes stay in cache while every block of 4 rows reads them:
+ * past 4 rows each code byte still comes from memory once. */
+#define CHUNK 16
+
 static void span(const float *x, const float *sx, const uint8_t *codes, const float *scales, const float *zeros,
                  float *y, int64_t rows, int64_t o0, int64_t o1, int64_t K, int64_t G, int64_t N) {
-    switch (rows) {
-        case 1: rows_1(x, sx, codes, scales, zeros, y, o0, o1, K, G, N); break;
-        case 2: rows_2(x, sx, codes, scales, zeros, y, o0, o1, K, G, N); break;
-        case 3: rows_3(x, sx, codes, scales, zeros, y, o0, o1, K, G, N); break;
-        default: rows_4(x, sx, codes, scales, zeros, y, o0, o1, K, G, N); break;
+    for (int64_t c0 = o0; c0 < o1; c0 += CHUNK) {
+        const int64_t c1 = c0 + CHUNK < o1 ? c0 + CHUNK : o1;
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            const float *xr = x + r0 * K, *sr = sx + r0 * (K / G);
+            float *yr = y + r0 * N;
+            switch (rows - r0) {
+                case 1: rows_1(xr, sr, codes, scales, zeros, yr, c0, c1, K, G, N); break;
+                case 2: rows_2(xr, sr, codes, scales, zeros, yr, c0, c1, K, G, N); break;
+                case 3: rows_3(xr, sr, codes, scales, zeros, yr, c0, c1, K, G, N); break;
+                default: rows_4(xr, sr, codes, scales, zeros, yr, c0, c1, K, G, N); break;
+            }
+        }
     }
 }
 
-/* x: rows 1..4 of K contiguous floats (the caller takes more rows as a dense matmul); the
- * N output channels split into `threads` spans, one per thread of torch's OpenMP runtime */
+/* x: rows of K contiguous floats (the caller takes many rows as a dense matmul); the N output
+ * channels split into `threads` spans, one per thread of torch's OpenMP runtime. sx: scratch
+ * of rows * K / G floats for the group sums. */
 void int4_matmul_f32(const float *x, const uint8_t *codes, const float *scales, const float *zeros, float *y,
-                     int64_t rows, int64_t K, int64_t G, int64_t N, int64_t threads) {
-    float sx[4 * (K / G)];
+                     float *sx, int64_t rows, int64_t K, int64_t G, int64_t N, int64_t threads) {
     group_sums(x, sx, rows, K, G);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t t = 0; t < threads; t++)

@@ -1,4 +1,4 @@
-/* A weight-only int8 matmul at a decode step's few rows: y[r, o] = scales[o] * x[r] . w[o]
+/* A weight-only int8 matmul at a decode step's (or a short prompt's) few rows: y[r, o] = scales[o] * x[r] . w[o]
  * for fp32 activations x (rows, K), int8 weights w (N, K) with one scale per output channel,
  * output channels o in [o0, o1). Each weight byte is read once for all the rows, so at one
  * row the product streams a quarter of the fp32 weight's bytes. With AVX2 and FMA, 16
@@ -62,17 +62,28 @@ ROWS(2)
 ROWS(3)
 ROWS(4)
 
+/* Output channels in chunks whose weights stay in cache while every block of 4 rows reads them:
+ * past 4 rows each weight still comes from memory once. */
+#define CHUNK 16
+
 static void span(const float *x, const int8_t *w, const float *scales, float *y, int64_t rows, int64_t o0,
                  int64_t o1, int64_t K, int64_t N) {
-    switch (rows) {
-        case 1: rows_1(x, w, scales, y, o0, o1, K, N); break;
-        case 2: rows_2(x, w, scales, y, o0, o1, K, N); break;
-        case 3: rows_3(x, w, scales, y, o0, o1, K, N); break;
-        default: rows_4(x, w, scales, y, o0, o1, K, N); break;
+    for (int64_t c0 = o0; c0 < o1; c0 += CHUNK) {
+        const int64_t c1 = c0 + CHUNK < o1 ? c0 + CHUNK : o1;
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            const float *xr = x + r0 * K;
+            float *yr = y + r0 * N;
+            switch (rows - r0) {
+                case 1: rows_1(xr, w, scales, yr, c0, c1, K, N); break;
+                case 2: rows_2(xr, w, scales, yr, c0, c1, K, N); break;
+                case 3: rows_3(xr, w, scales, yr, c0, c1, K, N); break;
+                default: rows_4(xr, w, scales, yr, c0, c1, K, N); break;
+            }
+        }
     }
 }
 
-/* rows 1..4 (the caller takes more as a dense matmul); the N output channels split into
+/* any rows (the caller takes many as a dense matmul); the N output channels split into
  * `threads` spans, one per thread of the OpenMP runtime torch runs on */
 void int8_matmul_f32(const float *x, const int8_t *w, const float *scales, float *y, int64_t rows, int64_t K,
                      int64_t N, int64_t threads) {

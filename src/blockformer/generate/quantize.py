@@ -35,15 +35,17 @@ from ..precision import DTYPES
 from .linears import swap_linears
 from .packed import pack_linears
 
-KERNEL_MAX_ROWS = native.MAX_ROWS  # the packed CPU kernels beat a dense matmul only for a few rows
+KERNEL_MAX_ROWS = 4  # torch's packed CPU kernels (bf16) beat a dense matmul only for a few rows
 
 
 class QuantizedLinear(nn.Module):
     """What the int8 and int4 layers share: ``y = x W^T + b`` computed in the activation's
-    dtype (the autocast dtype under autocast). A decode step at small batch (at most
-    ``KERNEL_MAX_ROWS`` rows, on the CPU) uses PyTorch's packed low-bit kernel,
-    which reads only the quantized bytes; anything larger (a prompt, a beam of sentences,
-    evaluation) is faster as the dequantized weight in one dense matmul."""
+    dtype (the autocast dtype under autocast). On the CPU, fp32 products of up to
+    ``kernels.NATIVE_QUANTIZED_ROWS`` rows (decode steps, short prompts) go through
+    blockformer's C kernels, and bf16 ones of at most ``KERNEL_MAX_ROWS`` rows through
+    PyTorch's packed low-bit kernels; both read only the quantized bytes. Anything larger (a
+    long prompt, a beam of sentences, evaluation) is faster as the dequantized weight in one
+    dense matmul."""
 
     in_features: int
     out_features: int
@@ -61,7 +63,9 @@ class QuantizedLinear(nn.Module):
         # Inductor cannot hand a freshly cast input to the packed kernels (torch 2.13), so under
         # torch.compile with autocast the dense path runs: store the model in bf16 instead.
         cast_in_graph = torch.compiler.is_compiling() and torch.is_autocast_enabled(device)
-        if device == "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS and not cast_in_graph:
+        rows = x2.shape[0]
+        few = rows <= KERNEL_MAX_ROWS or kernels.native_quantized_matmul(dtype, rows)
+        if device == "cpu" and few and not cast_in_graph:
             y = self.kernel(x2)
         else:
             y = F.linear(x2, self.dequantized(dtype))
@@ -107,19 +111,19 @@ def _int8_matmul():
 
 @functools.cache
 def _int4_matmul():
-    return native.function("int4_matmul", "int4_matmul_f32", 5, 5)
+    return native.function("int4_matmul", "int4_matmul_f32", 6, 5)
 
 
 def _use_native(x: torch.Tensor, library) -> bool:
     """Whether this product goes to a C kernel: fp32, a decode step's few rows, and (eager) the
     kernel built. A compiled step cannot ask ``library`` while tracing; its op checks instead."""
-    if not kernels.native_quantized_matmul(x.dtype) or x.shape[0] > KERNEL_MAX_ROWS:
+    if not kernels.native_quantized_matmul(x.dtype, x.shape[0]):
         return False
     return torch.compiler.is_compiling() or library() is not None
 
 
 # The C kernels as functions of tensors, and as custom ops (``native.matmul_op``) so that a
-# compiled decode step calls them too. Rows 1 to KERNEL_MAX_ROWS, fp32, output channels split
+# compiled decode step calls them too. fp32 rows, up to kernels.NATIVE_QUANTIZED_ROWS; output channels split
 # over torch's threads inside the kernel.
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x @ (scales[:, None] * weight).T`` by ``csrc/int8_matmul.c`` (torch's kernel if it is not built)."""
@@ -139,9 +143,9 @@ def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zero
         return F.linear(x, dequantize_int4(codes, scales, zeros, group_size, x.dtype))
     x, (rows, k), n = x.contiguous(), x.shape, codes.shape[0]
     scales, zeros = scales.float().contiguous(), zeros.float().contiguous()
-    y = x.new_empty(rows, n)
-    _int4_matmul()(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), y.data_ptr(), rows, k,
-                   group_size, n, native.pieces(n))
+    y, sums = x.new_empty(rows, n), x.new_empty(rows, k // group_size)
+    _int4_matmul()(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), y.data_ptr(), sums.data_ptr(),
+                   rows, k, group_size, n, native.pieces(n))
     return y
 
 

@@ -18,7 +18,9 @@ replays it as a CUDA graph, removing per-kernel launch overhead, which dominates
 1); tokens stay on the device, with no host sync per token. ``packed`` stores the matmul
 weights in oneDNN's blocked layout once (``generate.pack_linears``, what the CLI does on a
 CPU): the same products at up to twice the speed for the few rows of a decode step, output
-checked identical to greedy here. ``matmuls alone`` times just the step's products with
+checked identical to greedy here; where fp32 weights are not packed (AVX2), ``packed`` streams
+them through blockformer's C kernel instead (``StreamedLinear``), which ``packed-compiled``
+also compiles. ``matmuls alone`` times just the step's products with
 plain ``torch.mm``, the ceiling of the unpacked kernels. Reading fewer bytes per token also
 helps on a CPU: the ``int8-*`` variants store the matmul weights as int8 with per-channel
 scales (weight-only quantization, as gpt-fast does), 4x fewer weight bytes than fp32; the
@@ -45,7 +47,7 @@ import torch
 from common import add_shape_args, cpu_kind, gpt2_config, hf_gpt2, timed
 
 from blockformer.generate import generate, pack_linears, speculative_generate
-from blockformer.generate.packed import PackedLinear, is_packed
+from blockformer.generate.packed import PackedLinear
 from blockformer.generate.quantize import Int4Linear, Int8Linear, quantize
 from blockformer.train.throughput import format_bytes_per_s, memory_bandwidth
 
@@ -136,10 +138,8 @@ def main() -> None:
         if scheme is not None and not any(isinstance(m, QUANTIZED[scheme]) for m in ours.modules()):
             ours = quantize(copy.deepcopy(float_model), scheme)  # int8 / int4 weights, activations in --dtype
             torch._dynamo.reset()
-        if name.startswith("packed"):
-            ours = pack_linears(copy.deepcopy(float_model))  # the same weights in the CPU kernel's layout
-            if "compiled" in name and is_packed(ours):
-                continue  # oneDNN's layout: eager only (a compiled step cannot read it)
+        if name.startswith("packed"):  # the same weights laid out for the CPU's few-row kernels, as the CLI does
+            ours = pack_linears(copy.deepcopy(float_model), compiled="compiled" in name)
 
         def run(tokens: int = n, kw=kw) -> list[list[int]]:
             out = generate(ours, prompt, tokens, temperature=0, **kw)

@@ -136,3 +136,10 @@ def test_where_fp32_does_not_pack_its_linears_stream_and_decode_the_same_tokens_
         assert len(calls) > eager_calls
     finally:
         packed_module.can_pack.cache_clear()
+
+
+def test_a_model_packed_for_a_compiled_step_keeps_weights_the_step_can_read(monkeypatch):
+    monkeypatch.setattr(packed_module, "can_pack", lambda dtype: True)  # a CPU where oneDNN packing pays
+    model = pack_linears(_decoder(), compiled=True)
+    assert not any(isinstance(m, (PackedLinear, StreamedLinear)) for m in model.modules())
+    assert generate(model, torch.tensor([[1, 2, 3]]), 4, temperature=0, compile=True)  # not refused

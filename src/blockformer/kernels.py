@@ -84,7 +84,7 @@ def packs_on_this_cpu(dtype: torch.dtype) -> bool:
 
 # fp32 weights that are not packed take blockformer's few-row kernel (csrc/f32_matmul.c, generate/packed.py
 # StreamedLinear): on an AVX2-only EPYC it streamed a GPT-2-small step's weights at 18.7 GB/s where torch.mm
-# at one row drew 9.0 (BENCHMARKS.md "Decode speed ... on an AVX2-only CPU").
+# at one row drew 9.0 (BENCHMARKS.md "Decode speed on an AVX2-only CPU").
 def streams_decode_matmuls(dtype: torch.dtype) -> bool:
     """Whether a decoding model's unpacked fp32 linears go through blockformer's C kernel at a step's few rows."""
     return dtype == torch.float32 and not packs_on_this_cpu(dtype)
@@ -107,7 +107,7 @@ def paged_decode_kernel(dtype: torch.dtype, device: torch.device) -> bool:
 # fp32 activations go through blockformer's C kernels (csrc/int8_matmul.c, csrc/int4_matmul.c) up to
 # NATIVE_QUANTIZED_ROWS rows: torch's int8 and int4 kernels are slower than the fp32 model with fp32
 # activations, and the dense path dequantizes every weight per call. On an AVX2-only EPYC, GPT-2-small
-# decoding ran at 2.6-3.0x (int8) and 2.4-2.9x (int4) Hugging Face's fp32 (BENCHMARKS.md "Decode speed ... on an
+# decoding ran at 2.6-3.0x (int8) and 2.4-2.9x (int4) Hugging Face's fp32 (BENCHMARKS.md "Decode speed on an
 # AVX2-only CPU"); at 256 rows the dense path overtook the kernel on a 768x3072 weight (13 ms against 17 int8).
 # bf16 activations keep torch's packed kernels for a decode step's few rows.
 NATIVE_QUANTIZED_ROWS = 128

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             f"--checkpoint {args.checkpoint}: an {ckpt.config.model.arch} model; generate expects a decoder "
             "(use `blockformer translate` for encoder-decoders)"
         )
-    model = prepare_for_decoding(ckpt.model, args.precision, args.quantize, pack=not args.compile)
+    model = prepare_for_decoding(ckpt.model, args.precision, args.quantize, pack=True, compiled=args.compile)
     draft = _load_draft(args, ckpt, device) if args.draft else None
     prompt_ids = ckpt.tokenizer.encode(args.prompt) or [EOS_ID]  # no prompt: a document starts after eos
 

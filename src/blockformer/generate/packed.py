@@ -117,9 +117,10 @@ class StreamedLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module) -> nn.Module:
+def pack_linears(model: nn.Module, compiled: bool = False) -> nn.Module:
     """Replace every plain ``nn.Linear`` of a CPU ``model`` in place by a ``PackedLinear``
-    where its dtype packs (``can_pack``), else by a ``StreamedLinear`` where
+    where its dtype packs (``can_pack``; not if the step will be ``compiled``: it could not
+    read the packed weight), else by a ``StreamedLinear`` where
     ``kernels.streams_decode_matmuls`` picks it; others are left as they are. Returns
     ``model``, in eval mode."""
     check_model(model)
@@ -128,7 +129,7 @@ def pack_linears(model: nn.Module) -> nn.Module:
         if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
             return None
         if can_pack(linear.weight.dtype):
-            return PackedLinear(linear)
+            return None if compiled else PackedLinear(linear)
         return StreamedLinear.of(linear) if kernels.streams_decode_matmuls(linear.weight.dtype) else None
 
     swap_linears(model, make)

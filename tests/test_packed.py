@@ -3,6 +3,7 @@ and a clear refusal where a packed weight cannot go (gradients, a compiled step)
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from blockformer import TransformerConfig, build_model, kernels
@@ -116,6 +117,22 @@ def test_a_streamed_linear_takes_few_rows_through_its_kernel_and_computes_the_li
     x = torch.randn(1, 200, requires_grad=True)
     streamed(x).sum().backward()  # training: F.linear, with gradients
     assert calls == [1, 4, 4] and x.grad is not None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_f32_kernel_computes_the_linear_at_any_rows(threads):
+    """Row blocks of 4 over 16-channel chunks (csrc/rows.h), with ragged last ones."""
+    torch.manual_seed(0)
+    w, b = torch.randn(77, 200), torch.randn(77)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 3, 4, 5, 7, 9, 17, 33):
+            x = torch.randn(rows, 200)
+            torch.testing.assert_close(packed_module.f32_matmul(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(packed_module.f32_matmul(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_where_fp32_does_not_pack_its_linears_stream_and_decode_the_same_tokens_eager_and_compiled(monkeypatch):

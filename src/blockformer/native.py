@@ -56,7 +56,8 @@ def load(name: str) -> ctypes.CDLL | None:
     source = SOURCES / f"{name}.c"
     for threading in (["-fopenmp"], []):  # without OpenMP: the same kernel on one thread
         flags = CFLAGS + arch_flags() + threading
-        key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _cpu_id().encode()).hexdigest()[:16]
+        code = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))  # headers too
+        key = hashlib.sha256(code + " ".join(flags).encode() + _cpu_id().encode()).hexdigest()[:16]
         try:
             return ctypes.CDLL(str(_built(source, f"{name}-{key}.so", flags)))
         except (OSError, RuntimeError) as e:
@@ -84,6 +85,17 @@ def matmul_op(fn: Callable) -> None:
     code calls ``fn`` itself, with no dispatcher in between)."""
     op = torch.library.custom_op(f"blockformer::{fn.__name__}", fn, mutates_args=())
     op.register_fake(lambda x, w, *rest: x.new_empty(x.shape[0], w.shape[0]))
+
+
+def ready(library: Callable) -> bool:
+    """Whether a product can go to the kernel ``library()`` builds: eagerly where it is built;
+    inside ``torch.compile`` always, since tracing cannot call ``library`` (the op checks when it runs)."""
+    return torch.compiler.is_compiling() or library() is not None
+
+
+def call(fn: Callable, *args) -> torch.Tensor:
+    """``fn(*args)`` eagerly; inside ``torch.compile``, its custom op (``matmul_op``)."""
+    return (getattr(torch.ops.blockformer, fn.__name__) if torch.compiler.is_compiling() else fn)(*args)
 
 
 def pieces(total: int) -> int:

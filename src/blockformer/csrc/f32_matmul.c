@@ -7,15 +7,8 @@
  * with the machine's C compiler (and OpenMP where it has it).
  */
 #include <stddef.h>
-#include <stdint.h>
+#include "rows.h"
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 #define ROWS(R)                                                                                  \
     static void rows_##R(const float *x, const float *w, const float *bias, float *y, int64_t o0, \
@@ -53,23 +46,15 @@ static inline float hsum(__m256 v) {
     }
 #endif
 
-ROWS(1)
-ROWS(2)
-ROWS(3)
-ROWS(4)
+ALL_ROWS
 
 static void span(const float *x, const float *w, const float *bias, float *y, int64_t rows, int64_t o0,
                  int64_t o1, int64_t K, int64_t N) {
-    switch (rows) {
-        case 1: rows_1(x, w, bias, y, o0, o1, K, N); break;
-        case 2: rows_2(x, w, bias, y, o0, o1, K, N); break;
-        case 3: rows_3(x, w, bias, y, o0, o1, K, N); break;
-        default: rows_4(x, w, bias, y, o0, o1, K, N); break;
-    }
+    EACH_BLOCK(rows, o0, o1, x + r0 * K, w, bias, y + r0 * N, c0, c1, K, N)
 }
 
-/* rows 1..4 (the caller takes more as torch's matmul); bias may be NULL; the N output
- * channels split into `threads` spans, one per thread of torch's OpenMP runtime */
+/* any rows (the caller takes more than a few as torch's matmul); bias may be NULL; the N
+ * output channels split into `threads` spans, one per thread of torch's OpenMP runtime */
 void f32_matmul_f32(const float *x, const float *w, const float *bias, float *y, int64_t rows, int64_t K,
                     int64_t N, int64_t threads) {
 #pragma omp parallel for num_threads(threads) schedule(static, 1)

@@ -7,10 +7,7 @@
  * (nibbles split, interleaved back into input order, widened); elsewhere plain C. Built at
  * first use by blockformer.native with the machine's C compiler (and OpenMP where it has it).
  */
-#include <stdint.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "rows.h"
 
 /* sx[r, g] for rows r and groups g of x (rows, K) */
 static void group_sums(const float *x, float *sx, int64_t rows, int64_t K, int64_t G) {
@@ -23,12 +20,6 @@ static void group_sums(const float *x, float *sx, int64_t rows, int64_t K, int64
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 static inline __m256 widen(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 
 /* G is a multiple of 32: a group is a whole number of 16-byte loads */
@@ -93,30 +84,11 @@ static inline __m256 widen(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvt
     }
 #endif
 
-ROWS(1)
-ROWS(2)
-ROWS(3)
-ROWS(4)
-
-/* Output channels in chunks whose codes stay in cache while every block of 4 rows reads them:
- * past 4 rows each code byte still comes from memory once. */
-#define CHUNK 16
+ALL_ROWS
 
 static void span(const float *x, const float *sx, const uint8_t *codes, const float *scales, const float *zeros,
                  float *y, int64_t rows, int64_t o0, int64_t o1, int64_t K, int64_t G, int64_t N) {
-    for (int64_t c0 = o0; c0 < o1; c0 += CHUNK) {
-        const int64_t c1 = c0 + CHUNK < o1 ? c0 + CHUNK : o1;
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-            const float *xr = x + r0 * K, *sr = sx + r0 * (K / G);
-            float *yr = y + r0 * N;
-            switch (rows - r0) {
-                case 1: rows_1(xr, sr, codes, scales, zeros, yr, c0, c1, K, G, N); break;
-                case 2: rows_2(xr, sr, codes, scales, zeros, yr, c0, c1, K, G, N); break;
-                case 3: rows_3(xr, sr, codes, scales, zeros, yr, c0, c1, K, G, N); break;
-                default: rows_4(xr, sr, codes, scales, zeros, yr, c0, c1, K, G, N); break;
-            }
-        }
-    }
+    EACH_BLOCK(rows, o0, o1, x + r0 * K, sx + r0 * (K / G), codes, scales, zeros, y + r0 * N, c0, c1, K, G, N)
 }
 
 /* x: rows of K contiguous floats (the caller takes many rows as a dense matmul); the N output

@@ -5,15 +5,8 @@
  * weights at a time are widened to floats in registers; elsewhere plain C. Built at first
  * use by blockformer.native with the machine's C compiler (and OpenMP where it has it).
  */
-#include <stdint.h>
+#include "rows.h"
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 static inline __m256 widen(const int8_t *w) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
@@ -57,30 +50,11 @@ static inline __m256 widen(const int8_t *w) {
     }
 #endif
 
-ROWS(1)
-ROWS(2)
-ROWS(3)
-ROWS(4)
-
-/* Output channels in chunks whose weights stay in cache while every block of 4 rows reads them:
- * past 4 rows each weight still comes from memory once. */
-#define CHUNK 16
+ALL_ROWS
 
 static void span(const float *x, const int8_t *w, const float *scales, float *y, int64_t rows, int64_t o0,
                  int64_t o1, int64_t K, int64_t N) {
-    for (int64_t c0 = o0; c0 < o1; c0 += CHUNK) {
-        const int64_t c1 = c0 + CHUNK < o1 ? c0 + CHUNK : o1;
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-            const float *xr = x + r0 * K;
-            float *yr = y + r0 * N;
-            switch (rows - r0) {
-                case 1: rows_1(xr, w, scales, yr, c0, c1, K, N); break;
-                case 2: rows_2(xr, w, scales, yr, c0, c1, K, N); break;
-                case 3: rows_3(xr, w, scales, yr, c0, c1, K, N); break;
-                default: rows_4(xr, w, scales, yr, c0, c1, K, N); break;
-            }
-        }
-    }
+    EACH_BLOCK(rows, o0, o1, x + r0 * K, w, scales, y + r0 * N, c0, c1, K, N)
 }
 
 /* any rows (the caller takes many as a dense matmul); the N output channels split into

@@ -73,7 +73,7 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-STREAM_ROWS = 4  # csrc/f32_matmul.c takes 1 to 4 rows; more are torch's matmul's to do
+STREAM_ROWS = 4  # the kernel takes any rows; it was measured at a decode step's 1 to 4, and more go to torch's matmul
 
 
 @functools.cache
@@ -82,7 +82,7 @@ def _f32_matmul():
 
 
 def f32_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for 1 to ``STREAM_ROWS`` fp32 rows by ``csrc/f32_matmul.c``
+    """``F.linear(x, weight, bias)`` for fp32 rows by ``csrc/f32_matmul.c``
     (``F.linear`` itself if the kernel is not built)."""
     if _f32_matmul() is None:
         return F.linear(x, weight, bias)
@@ -109,11 +109,10 @@ class StreamedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        compiling = torch.compiler.is_compiling()
         if (x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu" and rows <= STREAM_ROWS
-                and not torch.is_grad_enabled() and (compiling or _f32_matmul() is not None)):
-            op = torch.ops.blockformer.f32_matmul if compiling else f32_matmul
-            return op(x.reshape(rows, self.in_features), self.weight, self.bias).reshape(*x.shape[:-1], -1)
+                and not torch.is_grad_enabled() and native.ready(_f32_matmul)):
+            y = native.call(f32_matmul, x.reshape(rows, self.in_features), self.weight, self.bias)
+            return y.reshape(*x.shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -92,9 +92,8 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scales", scales.to(linear.weight.dtype))
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_native(x, _int8_matmul):
-            op = torch.ops.blockformer.int8_matmul if torch.compiler.is_compiling() else int8_matmul
-            return op(x, self.weight, self.scales)
+        if kernels.native_quantized_matmul(x.dtype, x.shape[0]) and native.ready(_int8_matmul):
+            return native.call(int8_matmul, x, self.weight, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -112,14 +111,6 @@ def _int8_matmul():
 @functools.cache
 def _int4_matmul():
     return native.function("int4_matmul", "int4_matmul_f32", 6, 5)
-
-
-def _use_native(x: torch.Tensor, library) -> bool:
-    """Whether this product goes to a C kernel: fp32, a decode step's few rows, and (eager) the
-    kernel built. A compiled step cannot ask ``library`` while tracing; its op checks instead."""
-    if not kernels.native_quantized_matmul(x.dtype, x.shape[0]):
-        return False
-    return torch.compiler.is_compiling() or library() is not None
 
 
 # The C kernels as functions of tensors, and as custom ops (``native.matmul_op``) so that a
@@ -188,9 +179,8 @@ class Int4Linear(QuantizedLinear):
             self.register_buffer("scales_and_zeros", both.to(dtype))  # (k / g, n + pad, 2)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_native(x, _int4_matmul):
-            op = torch.ops.blockformer.int4_matmul if torch.compiler.is_compiling() else int4_matmul
-            return op(x, self.codes, self.scales, self.zeros, self.group_size)
+        if kernels.native_quantized_matmul(x.dtype, x.shape[0]) and native.ready(_int4_matmul):
+            return native.call(int4_matmul, x, self.codes, self.scales, self.zeros, self.group_size)
         if not hasattr(self, "packed"):  # quantized off the CPU: no kernel layout to use
             return F.linear(x, self.dequantized(x.dtype))
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,

@@ -1,0 +1,40 @@
+/* What the few-row matmul kernels (f32, int8, int4) share. Each defines ROWS(R), the product
+ * of R = 1..4 rows over output channels [o0, o1), as a function rows_R; this header gives the
+ * horizontal sum their AVX2 bodies end with, and the walk over a thread's output channels:
+ * in chunks whose weights stay in cache while every block of 4 rows reads them, so past 4 rows
+ * each weight byte still comes from memory once. blockformer.native hashes this header into
+ * each kernel's build key.
+ */
+#ifndef BLOCKFORMER_ROWS_H
+#define BLOCKFORMER_ROWS_H
+#include <stdint.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+#define ALL_ROWS ROWS(1) ROWS(2) ROWS(3) ROWS(4)
+
+#define CHUNK 16
+
+/* For each chunk [c0, c1) of [o0, o1) and each block of rows starting at r0, call rows_n(...)
+ * with n the block's rows (at most 4); the arguments may use r0, c0 and c1. */
+#define EACH_BLOCK(rows, o0, o1, ...)                                               \
+    for (int64_t c0 = (o0); c0 < (o1); c0 += CHUNK) {                               \
+        const int64_t c1 = c0 + CHUNK < (o1) ? c0 + CHUNK : (o1);                   \
+        for (int64_t r0 = 0; r0 < (rows); r0 += 4) {                                \
+            switch ((rows) - r0) {                                                  \
+                case 1: rows_1(__VA_ARGS__); break;                                 \
+                case 2: rows_2(__VA_ARGS__); break;                                 \
+                case 3: rows_3(__VA_ARGS__); break;                                 \
+                default: rows_4(__VA_ARGS__); break;                                \
+            }                                                                       \
+        }                                                                           \
+    }
+
+#endif

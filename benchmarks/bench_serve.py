@@ -96,7 +96,7 @@ def cpu_kind() -> str:
     lines = info.splitlines()
     name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown CPU")
     flags = next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16") if f in flags]
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     return f"{name} ({', '.join(isa) or 'no avx2'}; {os.cpu_count()} cores)"
 
 

@@ -16,10 +16,11 @@ from blockformer.precision import resolve_precision
 
 
 def cpu_kind() -> str:
-    """The CPU kind a figure was measured on (AVX512-BF16, AVX512, AVX2), and the cap that
+    """The CPU kind a figure was measured on (AMX-BF16, AVX512-BF16, AVX512, AVX2), and the cap that
     ``ATEN_CPU_CAPABILITY`` set, if any."""
     flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split() if platform.system() == "Linux" else []
-    kind = "AVX512-BF16" if "avx512_bf16" in flags else "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
+    kind = ("AMX-BF16" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags
+            else "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?")
     cap = os.environ.get("ATEN_CPU_CAPABILITY")
     return f"{kind}, capped to {cap} (ATEN_CPU_CAPABILITY)" if cap else kind
 

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -39,13 +40,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..errors import UsageError
 from ..models import build_model
 from ..paths import TMP_TAG, WEIGHTS
 from ..run_config import RunConfig
 from .dcp_reader import read_metadata, safe_load
-from .model_rows import ModelRowsSavePlanner, flat_row_orders
+from .model_rows import ModelRowsSavePlanner, contiguous_runs, flat_row_orders
 from .tensor import RowOrder, row_order
 
 DCP_DIR = "dcp"
@@ -111,6 +114,70 @@ def lays_out_rows_by_model(state: dict[str, Any]) -> bool:
 
 def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+# ---------------------------------------------------------------------- a base read in parts
+def read_parts(checkpoint: Path, wanted: dict[str, tuple[torch.Tensor, list[str]]], rows: RowOrder) -> None:
+    """Fill in each of ``wanted`` (name -> this rank's target, a DTensor or a tensor it holds
+    whole, and the names the checkpoint may hold it under: a tied table's) from ``checkpoint``,
+    reading only the block the rank holds: a slice of ``model.safetensors`` at the shard's
+    offsets (safetensors copies just those rows and columns), else the rank's own chunks of
+    ``dcp/`` (a collective). A reordered fused weight (``rows``) is a few runs of rows that lie
+    contiguous in the file's order: one slice each."""
+    with torch.no_grad():
+        if (checkpoint / WEIGHTS).is_file():
+            _from_safetensors(checkpoint / WEIGHTS, wanted, rows)
+        else:
+            _from_dcp(checkpoint / DCP_DIR, wanted, rows)
+
+
+def _block(target: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """This rank's tensor of ``target``, its shape and its offsets in the (sharded-order) whole."""
+    if isinstance(target, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        return target.to_local(), tuple(shape), tuple(offset)
+    return target, tuple(target.shape), (0,) * target.dim()
+
+
+def _from_safetensors(file: Path, wanted: dict[str, tuple[torch.Tensor, list[str]]], rows: RowOrder) -> None:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            present = set(f.keys())
+            for name, (target, names) in wanted.items():
+                key = next((n for n in names if n in present), None)
+                if key is None:
+                    raise UsageError(f"{file}: holds no {name}; expected the file written with its config.json")
+                local, shape, offset = _block(target)
+                if local.numel() == 0:
+                    continue
+                if local.dim() == 0:
+                    local.copy_(f.get_tensor(key))
+                    continue
+                part, rest = f.get_slice(key), tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))
+                order = rows.orders.get(name)
+                if order is None:
+                    local.copy_(part[(slice(offset[0], offset[0] + shape[0]), *rest)])
+                    continue
+                mine = order[offset[0]: offset[0] + shape[0]]  # the file's rows, in the shard's order
+                for a, b in contiguous_runs(mine):
+                    start = int(mine[a])
+                    local[a:b].copy_(part[(slice(start, start + b - a), *rest)])
+    except SafetensorError as e:
+        raise UsageError(f"{file}: cannot read the weights ({str(e).strip().splitlines()[0]}); expected the "
+                         f"file written with its config.json") from None
+
+
+def _from_dcp(dcp_dir: Path, wanted: dict[str, tuple[torch.Tensor, list[str]]], rows: RowOrder) -> None:
+    present = {k[len("model."):] for k in read_metadata(dcp_dir).state_dict_metadata if k.startswith("model.")}
+    state, orders = {}, {}
+    for name, (target, names) in wanted.items():
+        key = next((n for n in names if n in present), None)
+        if key is None:
+            raise UsageError(f"{dcp_dir}: holds no {name}; expected the dcp/ written with its config.json")
+        state[key] = target
+        if name in rows.orders:
+            orders[f"model.{key}"] = rows.orders[name]
+    safe_load({"model": state}, dcp_dir, no_dist=False, orders=orders)
 
 
 # ---------------------------------------------------------------------- one process

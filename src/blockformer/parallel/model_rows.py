@@ -35,15 +35,13 @@ class _ModelRows:
         local = value.to_local()
         _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
         rows = order[offsets[0]: offsets[0] + local.shape[0]]  # the shard's rows are contiguous in the sharded order
-        cuts = [0, *((rows[1:] - rows[:-1] != 1).nonzero().flatten() + 1).tolist(), len(rows)]
         self.global_shape, self.dtype = value.shape, local.dtype
         self.views: dict[torch.Size, torch.Tensor] = {}
         self.chunks: list[ChunkStorageMetadata] = []
-        for a, b in zip(cuts, cuts[1:]):
-            if a < b:
-                chunk = ChunkStorageMetadata(offsets=torch.Size([int(rows[a]), *offsets[1:]]), sizes=local[a:b].shape)
-                self.chunks.append(chunk)
-                self.views[chunk.offsets] = local[a:b]
+        for a, b in contiguous_runs(rows):
+            chunk = ChunkStorageMetadata(offsets=torch.Size([int(rows[a]), *offsets[1:]]), sizes=local[a:b].shape)
+            self.chunks.append(chunk)
+            self.views[chunk.offsets] = local[a:b]
 
     def size(self) -> torch.Size:
         return self.global_shape
@@ -60,6 +58,13 @@ class _ModelRows:
     def chunk_view(self, offsets: torch.Size) -> torch.Tensor:
         """The local rows of the chunk at ``offsets`` (written from, or read into, in place)."""
         return self.views[torch.Size(offsets)]
+
+
+def contiguous_runs(rows: torch.Tensor) -> list[tuple[int, int]]:
+    """The spans ``[a, b)`` of ``rows`` (row indices of the model's order) that run on by one:
+    each is one contiguous read or write of the model-order tensor."""
+    cuts = [0, *((rows[1:] - rows[:-1] != 1).nonzero().flatten() + 1).tolist(), len(rows)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b]
 
 
 def flat_row_orders(state: dict[str, Any], rows: RowOrder) -> dict[str, torch.Tensor]:

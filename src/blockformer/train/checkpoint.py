@@ -378,34 +378,50 @@ def load_matching(model: nn.Module, source: str | Path, cfg: RunConfig) -> InitR
     """Copy the weights of checkpoint ``source`` into ``model`` (of run config ``cfg``) by name
     and shape. The base's own head (LM head, or a task head for other labels) is not carried
     over to a head of a different task; the report names everything not carried over."""
+    base_cfg = check_base_arch(source, cfg)
+    base_state = load_checkpoint(source).model.state_dict()
+    targets = {name: t.shape for name, t in model.state_dict().items()}
+    report, keys = match_weights(targets, {k: t.shape for k, t in base_state.items()}, base_cfg, cfg,
+                                 isinstance(model, TaskModel))
+    model.load_state_dict({name: base_state[key] for name, key in keys.items()}, strict=False)
+    return report
+
+
+def check_base_arch(source: str | Path, cfg: RunConfig) -> RunConfig:
+    """The run config of ``train.init_from`` checkpoint ``source``, refused unless its
+    architecture is ``cfg``'s."""
     base_cfg = read_config(source)
     if base_cfg.model.arch != cfg.model.arch:
         raise UsageError(f"train.init_from={source}: a {base_cfg.model.arch} checkpoint; expected "
                          f"model.arch={cfg.model.arch!r} to match it")
-    base_state = load_checkpoint(source).model.state_dict()
-    base_is_task = any(k.startswith("body.") for k in base_state)
-    target_is_task = isinstance(model, TaskModel)
+    return base_cfg
+
+
+def match_weights(targets: dict[str, torch.Size], base: dict[str, torch.Size], base_cfg: RunConfig, cfg: RunConfig,
+                  target_is_task: bool) -> tuple[InitReport, dict[str, str]]:
+    """Which of a model's tensors (``targets``: name -> shape) take which of the base's (``base``:
+    key -> shape, every name of a tied table), on shapes alone: the report and name -> key."""
+    base_is_task = any(k.startswith("body.") for k in base)
     same_task = base_cfg.head.task == cfg.head.task and base_cfg.head.labels == cfg.head.labels
-    report, used, state = InitReport(), set(), {}
-    for name, tensor in model.state_dict().items():
+    report, used, keys = InitReport(), set(), {}
+    for name, shape in targets.items():
         if LORA_MARK in name:
             continue
         key = _base_key(name, target_is_task, base_is_task)
-        if key not in base_state:
+        if key not in base:
             report.new.append(name)
-        elif base_state[key].shape != tensor.shape:
-            report.skipped.append(f"{name} {tuple(base_state[key].shape)}->{tuple(tensor.shape)}")
+        elif base[key] != shape:
+            report.skipped.append(f"{name} {tuple(base[key])}->{tuple(shape)}")
             used.add(key)
         elif name.startswith(HEAD) and target_is_task and not same_task:
             report.skipped.append(f"{name} (other labels)")
             used.add(key)
         else:
-            state[name] = base_state[key]
+            keys[name] = key
             report.loaded.append(name)
             used.add(key)
-    report.unused = sorted(k for k in base_state if k not in used)
-    model.load_state_dict(state, strict=False)
-    return report
+    report.unused = sorted(k for k in base if k not in used)
+    return report, keys
 
 
 def _load_adapter(model: nn.Module, directory: Path, config: RunConfig, device: Any) -> None:

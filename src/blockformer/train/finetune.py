@@ -3,22 +3,29 @@
 ``build_model_for(cfg)`` builds the run's model (``build.build_run_model``: body, task
 head, adapters, frozen parts) and copies in the weights of ``train.init_from``, matched by
 name and shape: the head is new where the task differs, and every tensor not carried over
-is named. ``lr_scale`` gives each parameter its share of ``train.lr``: layer-wise decay
+is named. A sharded run (built on the meta device, materialised shard by shard) does the
+same matching on shapes alone and then each rank reads only its own part of the base
+(``init_sharded``): loading it whole would put the whole base on every rank. ``lr_scale`` gives each parameter its share of ``train.lr``: layer-wise decay
 (Clark et al. 2020, ELECTRA; ``decay ** (depth from the top)``) and a separate head rate.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from ..models.heads import TaskModel
+from ..parallel.checkpoint import DCP_DIR, read_parts
+from ..parallel.tensor import RowOrder
+from ..paths import WEIGHTS
 from ..run_config import RunConfig
 from .adapter import HEAD
 from .build import build_run_model
-from .checkpoint import InitReport, load_matching
+from .checkpoint import InitReport, check_base_arch, load_matching, match_weights, resolve_checkpoint
 
 _BLOCK = re.compile(r"(?:^|\.)(encoder|decoder)\.blocks\.(\d+)\.")
 
@@ -40,6 +47,45 @@ def init_from(model: nn.Module, cfg: RunConfig, log: Any = print) -> InitReport:
     if log is not None:
         log(report.describe(cfg.train.init_from))
     return report
+
+
+def reads_in_parts(source: str | Path) -> bool:
+    """Whether checkpoint ``source`` holds its weights itself (``model.safetensors`` or ``dcp/``),
+    so that a sharded run can read them in parts; a LoRA checkpoint (an adapter over a base
+    elsewhere) is merged whole instead."""
+    path = resolve_checkpoint(source)
+    return (path / WEIGHTS).is_file() or (path / DCP_DIR).is_dir()
+
+
+def init_sharded(model: nn.Module, cfg: RunConfig, rows: RowOrder | None, log: Any = print) -> InitReport:
+    """``init_from`` for this rank's shards of the materialised ``model`` (FSDP/TP DTensors, or
+    a pipeline rank's stages): the one-process matching, on shapes, then each rank reads its
+    part of the base only (``parallel.checkpoint.read_parts``; a collective for a ``dcp/``)."""
+    source = resolve_checkpoint(cfg.train.init_from)
+    base_cfg = check_base_arch(source, cfg)
+    base, aliases = _shapes(base_cfg)
+    report, keys = match_weights(_shapes(cfg)[0], base, base_cfg, cfg, target_is_task=False)
+    held = model.state_dict(keep_vars=True)  # this rank's: sharded DTensors, or its stages' tensors
+    wanted: dict[str, tuple[torch.Tensor, list[str]]] = {}
+    for name, key in keys.items():
+        if name in held and not any(held[name] is t for t, _ in wanted.values()):  # a tied table once
+            wanted[name] = (held[name], aliases[key])
+    read_parts(source, wanted, rows or RowOrder())
+    if log is not None:
+        log(report.describe(cfg.train.init_from))
+    return report
+
+
+def _shapes(cfg: RunConfig) -> tuple[dict[str, torch.Size], dict[str, list[str]]]:
+    """name -> shape of every tensor in the state dict of ``cfg``'s run model (built on the
+    meta device: no storage), and name -> the names of its tied table (a file holds one)."""
+    with torch.device("meta"):
+        model = build_run_model(cfg)
+    tensors = model.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}
+    for name, t in tensors.items():
+        groups.setdefault(id(t), []).append(name)
+    return {name: t.shape for name, t in tensors.items()}, {name: groups[id(t)] for name, t in tensors.items()}
 
 
 # ---------------------------------------------------------------------- learning rates

@@ -58,7 +58,7 @@ from .checkpoint import (
     step_dir_name,
 )
 from .compile import compile_loss, resolve_compile
-from .finetune import lr_scale
+from .finetune import init_sharded, lr_scale, reads_in_parts
 from .finite import diverged_message, finite_weights, restore_finite
 from .metrics import perplexity, plot_losses
 from .optim import build_optimizer, kernel_kept
@@ -212,11 +212,15 @@ def _start(cfg: RunConfig, run_dir: Path, runtime: Any, *, resume, overwrite: bo
         state = load_trainer_state(resume)
     else:
         torch.manual_seed(tc.seed)
-    loads_whole = resume is not None and not runtime.reads_own_shards(state)  # else each rank reads its shards
-    built = build_run(cfg, device, tokenizer_from=resume, log=log, meta=meta_init_wanted(cfg, runtime, loads_whole))
+    loads_whole = (not runtime.reads_own_shards(state) if resume is not None  # else each rank reads its shards
+                   else bool(cfg.train.init_from) and not reads_in_parts(cfg.train.init_from))
+    on_meta = meta_init_wanted(cfg, runtime, loads_whole)
+    built = build_run(cfg, device, tokenizer_from=resume, log=log, meta=on_meta)
     cfg = built.config  # model.vocab_size now set
     full_optim = _read_checkpoint(built.model, cfg, runtime, resume, state, device)
     model, fwd_model = parallel.parallelize(built.model, cfg, runtime, tc)  # model: this rank's parameters
+    if on_meta and resume is None and cfg.train.init_from:  # each rank reads its part of the base
+        init_sharded(model, cfg, getattr(runtime, "rows", None), log)
     optimizer = build_optimizer(model, tc, lr_scale(model, cfg))
     run = _Run(cfg, tc, run_dir, runtime, model, fwd_model, built.objective, built.tokenizer, optimizer,
                build_scheduler(optimizer, tc, cfg.model.d_model), grad_scaler(tc.precision, device), log, good=resume)

@@ -2,25 +2,27 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bench_rank_memory.py          # 1, 2, 4 and 8 gloo ranks, FSDP
     MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1 python benchmarks/bench_rank_memory.py   # freed memory returned
+    OMP_NUM_THREADS=1 python benchmarks/bench_rank_memory.py --init-from --worlds 2,4    # from a base checkpoint
 
 Each rank trains a 75M-parameter Llama-shaped decoder (fp32, AdamW) for a few steps with
 ``blockformer``'s own ``train`` (FSDP2 over ``dp_shard = N``, meta-device initialisation, a
 sharded checkpoint with its streamed ``model.safetensors`` at the end) and reports its peak
-resident memory (``ru_maxrss``) above what the process held once torch, the data and the
+resident memory (``VmHWM``) above what the process held once torch, the data and the
 process group were up. Beside it: ``blockformer info --world-size N``'s per-rank total
 (weights, gradients, AdamW moments, the gathered block, activations) for the same run, and
 the same run built whole on every rank before sharding (meta-device init off: what every
 rank did before issue 26). The batch is small, so the states dominate. glibc keeps freed
 memory for reuse, so a rank's resident peak runs above what its tensors ever held at once;
 with ``MALLOC_MMAP_THRESHOLD_=65536`` large blocks go back to the system when freed and the
-peak follows the tensors.
+peak follows the tensors. ``--init-from``: every run starts from a base checkpoint of the
+same model (``train.init_from``, one process's ``model.safetensors``): each rank reads its part
+of it into its shards, beside the same run loading the base whole on every rank first.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import socket
 import sys
 import tempfile
@@ -41,12 +43,22 @@ OVERRIDES = [
 ]
 
 
-def _rss_mib() -> float:
+def _status_mib(field: str) -> float:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
 
 
-def _run(tmp: Path, world: int, meta: bool) -> dict:
+def _rss_mib() -> float:
+    return _status_mib("VmRSS")
+
+
+def _peak_mib() -> float:
+    """This process's resident peak (``VmHWM``: unlike ``ru_maxrss``, not carried over from the
+    parent through ``spawn``'s exec, so a parent that built the base does not set it)."""
+    return _status_mib("VmHWM")
+
+
+def _run(tmp: Path, world: int, meta: bool, init_from: str = "") -> dict:
     from blockformer.parallel import runtime  # noqa: PLC0415
     from blockformer.run_config import load_run_config  # noqa: PLC0415
     from blockformer.train import loop  # noqa: PLC0415
@@ -54,23 +66,30 @@ def _run(tmp: Path, world: int, meta: bool) -> dict:
     before_save = []
     for kind in (runtime.Parallel, runtime.Local):
         def save(self, *args, _save=kind.save, **kwargs):
-            before_save.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+            before_save.append(_peak_mib())
             return _save(self, *args, **kwargs)
         kind.save = save
+    started = []
+
+    def start(*args, _start=loop._start, **kwargs):  # the model built (and the base read), not yet trained
+        run = _start(*args, **kwargs)
+        started.append(_peak_mib())
+        return run
+    loop._start = start
     if not meta:
         loop.meta_init_wanted = lambda *a, **k: False  # the whole model on every rank, then sharded
     cfg = load_run_config(overrides=[f"data.text={tmp / 'text.txt'}", f"data.cache_dir={tmp / 'cache'}", *OVERRIDES,
-                                     f"parallel.dp_shard={world}"])
+                                     f"parallel.dp_shard={world}", f"train.init_from={init_from}"])
     if world > 1:
         import torch.distributed as dist  # noqa: PLC0415
         dist.barrier()
     base = _rss_mib()
     loop.train(cfg, tmp / f"run-{world}-{int(meta)}", log=lambda *a: None)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"base": base, "train": before_save[0], "peak": peak}
+    peak = _peak_mib()
+    return {"base": base, "start": started[0], "train": before_save[0], "peak": peak}
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, meta: bool) -> None:
+def _worker(rank: int, world: int, port: int, tmp: str, meta: bool, init_from: str) -> None:
     import torch.distributed as dist  # noqa: PLC0415
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -78,18 +97,18 @@ def _worker(rank: int, world: int, port: int, tmp: str, meta: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        got = _run(Path(tmp), world, meta)
+        got = _run(Path(tmp), world, meta, init_from)
         Path(tmp, f"rank-{world}-{int(meta)}-{rank}.json").write_text(json.dumps(got))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def measure(tmp: Path, world: int, meta: bool = True) -> list[dict]:
+def measure(tmp: Path, world: int, meta: bool = True, init_from: str = "") -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, port, str(tmp), meta), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, port, str(tmp), meta, init_from), nprocs=world, start_method="spawn")
     return [json.loads(Path(tmp, f"rank-{world}-{int(meta)}-{r}.json").read_text()) for r in range(world)]
 
 
@@ -109,31 +128,47 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worlds", default="1,2,4,8", help="process counts, comma-separated")
-    worlds = [int(w) for w in p.parse_args().worlds.split(",")]
+    p.add_argument("--init-from", action="store_true", help="every run starts from a base checkpoint")
+    args = p.parse_args()
+    worlds = [int(w) for w in args.worlds.split(",")]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         rng = torch.Generator().manual_seed(0)
         letters = "abcdefghijklmnopqrstuvwxyz .,\n"
         text = "".join(letters[i] for i in torch.randint(len(letters), (200_000,), generator=rng).tolist())
         (tmp / "text.txt").write_text(text, encoding="utf-8")
+        base = ""
+        if args.init_from:  # the base: this model after one step of one process (model.safetensors)
+            from blockformer.run_config import load_run_config  # noqa: PLC0415
+            from blockformer.train import loop  # noqa: PLC0415
+
+            steps = [o for o in OVERRIDES if not o.startswith("train.steps=")]
+            loop.train(load_run_config(overrides=[f"data.text={tmp / 'text.txt'}", f"data.cache_dir={tmp / 'cache'}",
+                                                  *steps, "train.steps=1"]), tmp / "base", log=lambda *a: None)
+            base = str(tmp / "base")
         p1 = planned(tmp, 1)
         print(f"model: {p1['parameters']:,} parameters (fp32 weights + gradients + AdamW: "
               f"{16 * p1['parameters'] / 2**20:,.0f} MiB whole); batch 8 x 64 tokens, {STEPS} steps + one checkpoint; "
-              f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}; CPU {cpu_kind()}\n")
-        print("| ranks | layout | training: peak above start, per rank (MiB) | planner total/rank (MiB) "
-              "| measured / planner | with the checkpoint save (MiB) | built whole first: training (MiB) |")
-        print("| ---: | --- | --- | ---: | ---: | --- | --- |")
+              f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}; CPU {cpu_kind()}"
+              f"{'; every run train.init_from a base checkpoint' if base else ''}\n")
+        whole_first = "base loaded whole first" if base else "built whole first"
+        print("| ranks | layout | set-up: peak above start, per rank (MiB) | training: peak above start, per rank "
+              "(MiB) | planner total/rank (MiB) | measured / planner | with the checkpoint save (MiB) "
+              f"| {whole_first}: set-up, training (MiB) |")
+        print("| ---: | --- | --- | --- | ---: | ---: | --- | --- |")
         for world in worlds:
             if world == 1:  # one process: torch.multiprocessing keeps the same accounting
-                got = measure(tmp, 1)
+                got = measure(tmp, 1, init_from=base)
                 whole = None
             else:
-                got, whole = measure(tmp, world), measure(tmp, world, meta=False)
+                got, whole = measure(tmp, world, init_from=base), measure(tmp, world, meta=False, init_from=base)
             growth = [g["train"] - g["base"] for g in got]
             saving = ", ".join(f"{g['peak'] - g['base']:.0f}" for g in got)
             want = planned(tmp, world)["memory_bytes"]["total"] / 2**20
-            before = "-" if whole is None else ", ".join(f"{g['train'] - g['base']:.0f}" for g in whole)
-            print(f"| {world} | {'one process' if world == 1 else f'FSDP dp_shard={world}'} | "
+            setup = ", ".join(f"{g['start'] - g['base']:.0f}" for g in got)
+            before = "-" if whole is None else (", ".join(f"{g['start'] - g['base']:.0f}" for g in whole) + "; "
+                                                + ", ".join(f"{g['train'] - g['base']:.0f}" for g in whole))
+            print(f"| {world} | {'one process' if world == 1 else f'FSDP dp_shard={world}'} | {setup} | "
                   f"{', '.join(f'{g:.0f}' for g in growth)} | {want:.0f} | {max(growth) / want:.2f} | {saving} | {before} |")
 
 

@@ -50,6 +50,51 @@ def test_the_kernel_equals_a_gathered_copy_through_sdpa(heads, kv_heads, threads
     torch.testing.assert_close(out, gathered(q, pool_k, pool_v, read, mask, 0.3), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,threads", [(4, 4, 1), (8, 2, 2)])
+def test_the_kernel_reads_a_bf16_pool_as_the_floats_it_holds(heads, kv_heads, threads):
+    """A bf16 pool is read as it is (each value widened to fp32) and attended in fp32: the output
+    is the fp32 attention over the same bf16 values, to fp32 rounding, in a bf16 or fp32 output."""
+    assert paged_attention.kernel(torch.bfloat16) is not None
+    q, pool_k, pool_v, read, mask = scattered(7, 24, heads, kv_heads, 16, seed=heads)
+    q, pool_k, pool_v = q.bfloat16(), pool_k.bfloat16(), pool_v.bfloat16()
+    want = gathered(q.float(), pool_k.float(), pool_v.float(), read, mask, 0.3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out32 = paged_attention.decode_attention(q, pool_k, pool_v, read, mask, 0.3, torch.full_like(want, float("nan")))
+        out16 = paged_attention.decode_attention(q, pool_k, pool_v, read, mask, 0.3, torch.full_like(q, float("nan")))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out32, want, atol=1e-5, rtol=1e-5)
+    assert out16.dtype == torch.bfloat16 and torch.equal(out16, want.bfloat16())
+
+
+def test_a_bf16_engines_decoding_rows_go_through_the_kernel_and_get_the_attention_of_the_pool():
+    """Every decoding call of a bf16 engine's run reads the bf16 pool in place, and gives the
+    fp32 attention over what the pool holds, rounded once to bf16. (Its tokens are not compared
+    with the gathered path's: SDPA rounds the softmax weights to bf16 before multiplying by the
+    values, so on a random model the two part at a near tie after a few tokens.)"""
+    calls = []
+    real = paged_attention.decode_attention
+
+    def checked(q, pool_k, pool_v, read, mask, scale, out):
+        y = real(q, pool_k, pool_v, read, mask, scale, out)
+        want = gathered(q.float(), pool_k.float(), pool_v.float(), read, mask, scale)
+        calls.append((y.dtype, pool_k.dtype, (y.float() - want).abs().max().item(), want.abs().max().item()))
+        return y
+
+    model, ps = make(n_kv_heads=2), prompts(4)
+    model = model.to(torch.bfloat16)
+    try:
+        paged_attention.decode_attention = checked
+        staggered(Engine(model, TOK, block_size=4, max_num_batched_tokens=20, max_running=4), ps)
+    finally:
+        paged_attention.decode_attention = real
+    assert len(calls) >= 16 * model.cfg.n_layers
+    assert {(y, pool) for y, pool, _, _ in calls} == {(torch.bfloat16, torch.bfloat16)}
+    assert max(err / scale for _, _, err, scale in calls) < 2**-8  # one bf16 rounding of the largest output
+
+
 def test_decoding_rows_of_the_engine_go_through_the_kernel(monkeypatch):
     calls = []
     real = paged_attention.decode_attention

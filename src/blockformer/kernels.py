@@ -93,13 +93,14 @@ def streams_decode_matmuls(dtype: torch.dtype) -> bool:
 # --- serving (serve/runner.py) ------------------------------------------------------------
 
 # Decoding rows attend through the C kernel that reads the paged pool in place (serve/paged_attention.py),
-# not a gathered copy and SDPA: 3.6-6x faster at 1-64 rows (BENCHMARKS.md "Serving", "Paged attention").
+# not a gathered copy and SDPA: 3.6-6x faster at 1-64 rows in fp32 (BENCHMARKS.md "Serving", "Paged
+# attention"); a bf16 pool is read in place too (1.06x a served bf16 GPT-2 small at 16 in flight, AMX).
 PAGED_DECODE_KERNEL = True
 
 
 def paged_decode_kernel(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a server's decoding rows use that kernel: fp32 pools on the CPU (it has no other)."""
-    return PAGED_DECODE_KERNEL and device.type == "cpu" and dtype == torch.float32
+    """Whether a server's decoding rows use that kernel: fp32 and bf16 pools on the CPU (it has no other)."""
+    return PAGED_DECODE_KERNEL and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
 
 # --- weight-only int8/int4 decoding (generate/quantize.py) ------------------------------

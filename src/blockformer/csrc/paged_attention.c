@@ -6,66 +6,82 @@
  * with G = H / Hkv query heads per key/value head (GQA). The pool is (slots, Hkv, D), so a
  * slot's keys for every head are one contiguous run: each key and value is read once, with
  * no gathered copy (the copy and a second pass over it are what this replaces).
- * `scores` is scratch of H * S floats per thread. Built at first use by blockformer.native
- * with the machine's C compiler (and OpenMP where it has it); plain C, vectorised by the compiler.
+ * `scores` is scratch of H * S floats per thread. The pool holds fp32 or bf16 (a bf16 is the
+ * top half of an fp32: widened by a shift as it is read); queries, scores and outputs are fp32.
+ * Built at first use by blockformer.native with the machine's C compiler (and OpenMP where it
+ * has it); plain C, vectorised by the compiler.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-static void span(const float *q, const float *pk, const float *pv, const int64_t *read, const uint8_t *mask,
-                 float *out, float *scores, int64_t b0, int64_t b1, int64_t S, int64_t H, int64_t Hkv, int64_t D,
-                 float scale) {
-    const int64_t G = H / Hkv, slot_stride = Hkv * D;
-    float top[H], inv[H];  /* H is a few dozen at most */
-    for (int64_t b = b0; b < b1; b++) {
-        const float *qb = q + b * H * D;
-        const int64_t *rb = read + b * S;
-        const uint8_t *mb = mask + b * S;
-        float *ob = out + b * H * D;
-        for (int64_t h = 0; h < H; h++) top[h] = -FLT_MAX;
-        for (int64_t s = 0; s < S; s++) {
-            if (!mb[s]) continue;
-            const float *ks = pk + rb[s] * slot_stride;
-            for (int64_t h = 0; h < H; h++) {
-                const float *kh = ks + (h / G) * D, *qh = qb + h * D;
-                float acc = 0.0f;
-                for (int64_t d = 0; d < D; d++) acc += qh[d] * kh[d];
-                acc *= scale;
-                scores[h * S + s] = acc;
-                if (acc > top[h]) top[h] = acc;
-            }
-        }
-        for (int64_t h = 0; h < H; h++) {
-            float sum = 0.0f, *sh = scores + h * S;
-            for (int64_t s = 0; s < S; s++) {
-                if (!mb[s]) continue;
-                sh[s] = expf(sh[s] - top[h]);
-                sum += sh[s];
-            }
-            inv[h] = sum > 0.0f ? 1.0f / sum : 0.0f;
-        }
-        memset(ob, 0, (size_t)(H * D) * sizeof(float));
-        for (int64_t s = 0; s < S; s++) {
-            if (!mb[s]) continue;
-            const float *vs = pv + rb[s] * slot_stride;
-            for (int64_t h = 0; h < H; h++) {
-                const float p = scores[h * S + s] * inv[h], *vh = vs + (h / G) * D;
-                float *oh = ob + h * D;
-                for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];
-            }
-        }
-    }
+static inline float as_float(float x) { return x; }
+
+static inline float bf16_to_float(uint16_t x) {
+    union { uint32_t u; float f; } v = {(uint32_t)x << 16};
+    return v.f;
 }
 
-/* the rows split into `threads` spans, one per thread of torch's OpenMP runtime; `scores`
- * holds threads * H * S floats */
-void paged_decode_attention_f32(const float *q, const float *pk, const float *pv, const int64_t *read,
-                                const uint8_t *mask, float *out, float *scores, int64_t rows, int64_t S, int64_t H,
-                                int64_t Hkv, int64_t D, float scale, int64_t threads) {
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int64_t t = 0; t < threads; t++)
-        span(q, pk, pv, read, mask, out, scores + t * H * S, rows * t / threads, rows * (t + 1) / threads, S, H, Hkv,
-             D, scale);
+/* span_NAME and paged_decode_attention_NAME for a pool of T, read as floats by LOAD. The
+ * entry point splits the rows into `threads` spans, one per thread of torch's OpenMP runtime;
+ * `scores` holds threads * H * S floats. */
+#define PAGED(NAME, T, LOAD)                                                                                                 \
+static void span_##NAME(const float *q, const T *pk, const T *pv, const int64_t *read, const uint8_t *mask,                  \
+                 float *out, float *scores, int64_t b0, int64_t b1, int64_t S, int64_t H, int64_t Hkv, int64_t D,            \
+                 float scale) {                                                                                              \
+    const int64_t G = H / Hkv, slot_stride = Hkv * D;                                                                        \
+    float top[H], inv[H];  /* H is a few dozen at most */                                                                    \
+    for (int64_t b = b0; b < b1; b++) {                                                                                      \
+        const float *qb = q + b * H * D;                                                                                     \
+        const int64_t *rb = read + b * S;                                                                                    \
+        const uint8_t *mb = mask + b * S;                                                                                    \
+        float *ob = out + b * H * D;                                                                                         \
+        for (int64_t h = 0; h < H; h++) top[h] = -FLT_MAX;                                                                   \
+        for (int64_t s = 0; s < S; s++) {                                                                                    \
+            if (!mb[s]) continue;                                                                                            \
+            const T *ks = pk + rb[s] * slot_stride;                                                                          \
+            for (int64_t h = 0; h < H; h++) {                                                                                \
+                const T *kh = ks + (h / G) * D;                                                                              \
+                const float *qh = qb + h * D;                                                                                \
+                float acc = 0.0f;                                                                                            \
+                for (int64_t d = 0; d < D; d++) acc += qh[d] * LOAD(kh[d]);                                                  \
+                acc *= scale;                                                                                                \
+                scores[h * S + s] = acc;                                                                                     \
+                if (acc > top[h]) top[h] = acc;                                                                              \
+            }                                                                                                                \
+        }                                                                                                                    \
+        for (int64_t h = 0; h < H; h++) {                                                                                    \
+            float sum = 0.0f, *sh = scores + h * S;                                                                          \
+            for (int64_t s = 0; s < S; s++) {                                                                                \
+                if (!mb[s]) continue;                                                                                        \
+                sh[s] = expf(sh[s] - top[h]);                                                                                \
+                sum += sh[s];                                                                                                \
+            }                                                                                                                \
+            inv[h] = sum > 0.0f ? 1.0f / sum : 0.0f;                                                                         \
+        }                                                                                                                    \
+        memset(ob, 0, (size_t)(H * D) * sizeof(float));                                                                      \
+        for (int64_t s = 0; s < S; s++) {                                                                                    \
+            if (!mb[s]) continue;                                                                                            \
+            const T *vs = pv + rb[s] * slot_stride;                                                                          \
+            for (int64_t h = 0; h < H; h++) {                                                                                \
+                const float p = scores[h * S + s] * inv[h];                                                                  \
+                const T *vh = vs + (h / G) * D;                                                                              \
+                float *oh = ob + h * D;                                                                                      \
+                for (int64_t d = 0; d < D; d++) oh[d] += p * LOAD(vh[d]);                                                    \
+            }                                                                                                                \
+        }                                                                                                                    \
+    }                                                                                                                        \
+}                                                                                                                            \
+                                                                                                                             \
+void paged_decode_attention_##NAME(const float *q, const T *pk, const T *pv, const int64_t *read,                            \
+                                const uint8_t *mask, float *out, float *scores, int64_t rows, int64_t S, int64_t H,          \
+                                int64_t Hkv, int64_t D, float scale, int64_t threads) {                                      \
+    _Pragma("omp parallel for num_threads(threads) schedule(static, 1)")                                                     \
+    for (int64_t t = 0; t < threads; t++)                                                                                    \
+        span_##NAME(q, pk, pv, read, mask, out, scores + t * H * S, rows * t / threads, rows * (t + 1) / threads, S, H, Hkv, \
+             D, scale);                                                                                                      \
 }
+
+PAGED(f32, float, as_float)
+PAGED(bf16, uint16_t, bf16_to_float)

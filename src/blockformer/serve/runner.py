@@ -122,7 +122,8 @@ class PackedView(KVCache):
             start += len(group) * T
         self.write = torch.from_numpy(np.concatenate([r.write_slots for r in rows])).to(device)
         self.cross_k = self.cross_v = [None] * pool.n_layers
-        self.in_place = kernels.paged_decode_kernel(pool.k[0].dtype, device) and paged_attention.kernel() is not None
+        dtype = pool.k[0].dtype
+        self.in_place = kernels.paged_decode_kernel(dtype, device) and paged_attention.kernel(dtype) is not None
 
     @property
     def dtype(self) -> torch.dtype:

@@ -4,7 +4,7 @@ written-out one (``nn.attention._unfused``, what ``sdpa`` takes over short keys 
 is on), at nanoGPT's CPU shape (batch 12, 4 heads of 32) over several key lengths.
 
     OMP_NUM_THREADS=2 python benchmarks/bench_attention_choice.py --threads 2
-    ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=2 python benchmarks/bench_attention_choice.py --threads 2
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=2 python benchmarks/bench_attention_choice.py --threads 2
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ def _cpu(monkeypatch, **features: bool) -> None:
 def _attention_cpu(monkeypatch, **features: bool) -> None:
     """As ``_cpu``, and the import-time attention choice re-probed on that CPU."""
     _cpu(monkeypatch, **features)
-    monkeypatch.setattr(kernels, "UNFUSED_SHORT_BF16", kernels.bf16_units_without_amx())
+    monkeypatch.setattr(kernels, "UNFUSED_SHORT_BF16", kernels.avx512_bf16_units())
 
 
 # --- attention ---------------------------------------------------------------------------
@@ -34,19 +34,19 @@ def _attention_cpu(monkeypatch, **features: bool) -> None:
 
 @pytest.mark.parametrize("features, kind", [
     ({"avx512": True, "avx512_bf16": True}, True),
-    ({"avx512": True, "avx512_bf16": True, "amx": True}, False),  # AMX: not measured, torch's choice
-    ({"avx512": True, "amx": True}, False),
+    ({"avx512": True, "avx512_bf16": True, "amx": True}, True),  # AMX: measured too (bench_attention_choice)
+    ({"avx512": True, "amx": True}, False),  # AMX without AVX512-BF16: not measured
     ({"avx512": True}, False),  # bf16 emulated: not measured
     ({}, False),
 ])
-def test_the_short_key_choice_is_for_avx512_bf16_without_amx(monkeypatch, features, kind):
+def test_the_short_key_choice_is_for_avx512_bf16_cpus(monkeypatch, features, kind):
     _attention_cpu(monkeypatch, **features)
-    assert kernels.bf16_units_without_amx() is kind
+    assert kernels.avx512_bf16_units() is kind
     assert kernels.unfused_attention(CPU, BF16, 64, 0.0, True) is kind
 
 
 def test_the_constant_is_this_cpu_probed_at_import():
-    assert kernels.UNFUSED_SHORT_BF16 == kernels.bf16_units_without_amx()
+    assert kernels.UNFUSED_SHORT_BF16 == kernels.avx512_bf16_units()
     assert kernels.CPU_BF16_UNFUSED_MAX_KEYS == 128
 
 
@@ -63,13 +63,13 @@ def test_the_constant_is_this_cpu_probed_at_import():
     (CPU, FP32, 64, 0.1, False, False),  # no grad: no dropout path
     (META, FP32, 64, 0.1, True, False),
 ])
-def test_unfused_attention_on_avx512_bf16_without_amx(monkeypatch, device, dtype, keys, dropout, grad, unfused):
+def test_unfused_attention_on_avx512_bf16(monkeypatch, device, dtype, keys, dropout, grad, unfused):
     _attention_cpu(monkeypatch, avx512=True, avx512_bf16=True)
     assert kernels.unfused_attention(device, dtype, keys, dropout, grad) is unfused
 
 
 def test_without_the_measured_cpu_kind_only_dropout_is_unfused(monkeypatch):
-    _attention_cpu(monkeypatch, avx512=True, avx512_bf16=True, amx=True)
+    _attention_cpu(monkeypatch, avx512=True)  # bf16 emulated: not measured
     assert not kernels.unfused_attention(CPU, BF16, 64, 0.0, True)
     assert kernels.unfused_attention(CPU, BF16, 64, 0.1, True)
 
@@ -212,7 +212,7 @@ def test_the_avx2_cap_turns_every_cpu_choice_to_the_avx2_one(monkeypatch):
     for probe, on in (("_is_avx512_supported", True), ("_is_avx512_bf16_supported", True),
                       ("_is_amx_tile_supported", False)):
         monkeypatch.setattr(torch.cpu, probe, lambda on=on: on, raising=False)
-    choices = lambda: (kernels.bf16_units_without_amx(), kernels.packs_on_this_cpu(BF16),  # noqa: E731
+    choices = lambda: (kernels.avx512_bf16_units(), kernels.packs_on_this_cpu(BF16),  # noqa: E731
                        kernels.packs_on_this_cpu(FP32), kernels.native_bf16_cpu())
     assert choices() == (True, True, True, True)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")

@@ -20,16 +20,17 @@ from .hardware import cpu_has
 # --- attention (nn/attention.py) ---------------------------------------------------------
 
 
-def bf16_units_without_amx() -> bool:
-    """AVX512-BF16 without AMX: the CPU kind the short-key attention choice below was measured on."""
-    return cpu_has("_is_avx512_bf16_supported") and not cpu_has("_is_amx_tile_supported")
+def avx512_bf16_units() -> bool:
+    """AVX512-BF16, with or without AMX: the CPU kinds the short-key attention choice below was measured on."""
+    return cpu_has("_is_avx512_bf16_supported")
 
 
 # Unfused bf16 training attention up to this many keys: the fused bf16 backward is slower over short keys
-# on AVX512-BF16 without AMX (BENCHMARKS.md "Kernel choices").
+# on AVX512-BF16 CPUs, with AMX (3.5x at 64 keys, 2.1x at 128, level at 256) and without (BENCHMARKS.md
+# "Kernel choices").
 CPU_BF16_UNFUSED_MAX_KEYS = 128
 # Whether this CPU takes that choice: probed once, at import (a compiled graph guards on it as a constant).
-UNFUSED_SHORT_BF16 = bf16_units_without_amx()
+UNFUSED_SHORT_BF16 = avx512_bf16_units()
 
 
 def unfused_attention(device: torch.device, dtype: torch.dtype, n_keys: int, dropout: float,

@@ -5,8 +5,9 @@ head, adapters, frozen parts) and copies in the weights of ``train.init_from``, 
 name and shape: the head is new where the task differs, and every tensor not carried over
 is named. A sharded run (built on the meta device, materialised shard by shard) does the
 same matching on shapes alone and then each rank reads only its own part of the base
-(``init_sharded``): loading it whole would put the whole base on every rank. ``lr_scale`` gives each parameter its share of ``train.lr``: layer-wise decay
-(Clark et al. 2020, ELECTRA; ``decay ** (depth from the top)``) and a separate head rate.
+(``init_sharded``): loading it whole would put the whole base on every rank. ``lr_scale``
+gives each parameter its share of ``train.lr``: layer-wise decay (Clark et al. 2020,
+ELECTRA; ``decay ** (depth from the top)``) and a separate head rate.
 """
 
 from __future__ import annotations

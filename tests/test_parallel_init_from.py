@@ -1,7 +1,6 @@
-"""``train.init_from`` into a sharded run, and a resume of a one-process checkpoint into one:
-each rank reads only its part of the weights (slices of ``model.safetensors``, its own chunks
-of ``dcp/``), and the shards hold the checkpoint's weights, so that training from them has the
-losses of a run that loaded it whole on every rank."""
+"""``train.init_from`` into a sharded run: each rank reads only its part of the base (slices of
+``model.safetensors``, its own chunks of ``dcp/``), and the shards hold the base's weights, so
+that training from them has the losses of a run that loaded the base whole on every rank."""
 
 from __future__ import annotations
 
@@ -149,54 +148,3 @@ def test_fsdp_training_from_a_base_read_in_parts_has_the_losses_of_loading_it_wh
     run_ranks(2, _train_from_base, str(tmp_path), str(base))
     losses = read_json(tmp_path / "losses.json")
     assert len(losses["parts"]) == 3 and losses["parts"] == losses["whole"]  # bit for bit
-
-
-def _resume_on_rank(rank: int, tmp: str, checkpoint: str) -> None:
-    tmp_path = Path(tmp)
-    whole = safetensors.torch.load_file(Path(checkpoint) / "model.safetensors")  # for the check only
-    read: list[int] = []
-    _counting_reads(read)
-    results = {}
-    for layout in LAYOUTS:
-        cfg = lm_config(tmp_path, layout, *UNTIED)
-        runtime = start(cfg, torch.device("cpu"))
-        read.clear()
-        run = loop._start(cfg, tmp_path / f"resumed-{layout}", runtime, resume=Path(checkpoint), overwrite=False,
-                          log=quiet)
-        model = run.model
-        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.state_dict().values())
-        mismatched = [name for name, p in model.state_dict().items()
-                      if not torch.equal(runtime.rows.to_model(name, p.full_tensor() if isinstance(p, DTensor)
-                                                               else p.detach()), whole[name])]
-        results[layout] = {"read": sum(read), "local": local, "total": sum(t.numel() for t in whole.values()),
-                           "mismatched": mismatched, "new": [], "stage": sorted(model.state_dict())}
-        if run.tracker is not None:
-            run.tracker.close()
-    write_json(tmp_path / f"resume-rank{rank}.json", results)
-
-
-def test_a_one_process_checkpoint_resumes_into_shards_each_rank_reading_its_part(tmp_path):
-    first = loop.train(lm_config(tmp_path, *UNTIED), tmp_path / "one", stop_at=2, log=quiet)
-    run_ranks(2, _resume_on_rank, str(tmp_path), str(first.checkpoint))
-    _check_layouts(tmp_path, "resume")
-
-
-def _resume_both_ways(rank: int, tmp: str, checkpoint: str) -> None:
-    tmp = Path(tmp)
-    cfg = lambda: lm_config(tmp, "parallel.dp_shard=2")  # noqa: E731 - tied table
-    parts = loop.train(cfg(), tmp / "parts", resume=checkpoint, log=quiet)
-    wanted = loop.meta_init_wanted
-    loop.meta_init_wanted = lambda *a: False  # the path that loads it whole on every rank
-    try:
-        whole = loop.train(cfg(), tmp / "whole", resume=checkpoint, log=quiet)
-    finally:
-        loop.meta_init_wanted = wanted
-    if rank == 0:
-        write_json(tmp / "resumed.json", {"parts": parts.losses, "whole": whole.losses})
-
-
-def test_fsdp_resuming_a_one_process_checkpoint_in_parts_has_the_losses_of_loading_it_whole(tmp_path):
-    first = loop.train(lm_config(tmp_path), tmp_path / "one", stop_at=2, log=quiet)
-    run_ranks(2, _resume_both_ways, str(tmp_path), str(first.checkpoint))
-    losses = read_json(tmp_path / "resumed.json")
-    assert len(losses["parts"]) == 1 and losses["parts"] == losses["whole"]  # bit for bit

@@ -66,30 +66,15 @@ def init_sharded(model: nn.Module, cfg: RunConfig, rows: RowOrder | None, log: A
     base_cfg = check_base_arch(source, cfg)
     base, aliases = _shapes(base_cfg)
     report, keys = match_weights(_shapes(cfg)[0], base, base_cfg, cfg, target_is_task=False)
-    read_parts(source, _held(model, keys, aliases), rows or RowOrder())
-    if log is not None:
-        log(report.describe(cfg.train.init_from))
-    return report
-
-
-def load_in_parts(model: nn.Module, cfg: RunConfig, checkpoint: Path, rows: RowOrder | None) -> None:
-    """All the weights of ``checkpoint`` (this run's, written by one process: a resume into a
-    sharded layout) into this rank's shards of the materialised ``model``, each rank reading
-    its part of ``model.safetensors`` only."""
-    _, aliases = _shapes(cfg)
-    read_parts(checkpoint, _held(model, {name: name for name in aliases}, aliases), rows or RowOrder())
-
-
-def _held(model: nn.Module, keys: dict[str, str], aliases: dict[str, list[str]]
-          ) -> dict[str, tuple[torch.Tensor, list[str]]]:
-    """name -> (this rank's tensor, the names the checkpoint may hold it under) for the names of
-    ``keys`` (name -> the base's key) this rank holds: sharded DTensors, or its stages' tensors."""
-    held = model.state_dict(keep_vars=True)
+    held = model.state_dict(keep_vars=True)  # this rank's: sharded DTensors, or its stages' tensors
     wanted: dict[str, tuple[torch.Tensor, list[str]]] = {}
     for name, key in keys.items():
         if name in held and not any(held[name] is t for t, _ in wanted.values()):  # a tied table once
             wanted[name] = (held[name], aliases[key])
-    return wanted
+    read_parts(source, wanted, rows or RowOrder())
+    if log is not None:
+        log(report.describe(cfg.train.init_from))
+    return report
 
 
 def _shapes(cfg: RunConfig) -> tuple[dict[str, torch.Size], dict[str, list[str]]]:

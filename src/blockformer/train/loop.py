@@ -42,7 +42,7 @@ from ..models import training_metrics
 from ..parallel.checkpoint import full_optimizer_state
 from ..parallel.mesh import stopped_ranks
 from ..parallel.meta import wanted as meta_init_wanted
-from ..paths import WEIGHTS, replace_file
+from ..paths import replace_file
 from ..precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
 from ..run_config import RunConfig
 from ..stats import count_parameters, flops_per_token
@@ -58,14 +58,13 @@ from .checkpoint import (
     step_dir_name,
 )
 from .compile import compile_loss, resolve_compile
-from .finetune import init_sharded, load_in_parts, lr_scale, reads_in_parts
+from .finetune import init_sharded, lr_scale, reads_in_parts
 from .finite import diverged_message, finite_weights, restore_finite
 from .metrics import perplexity, plot_losses
-from .optim import build_optimizer, kernel_kept, param_groups
+from .optim import build_optimizer, kernel_kept
 from .rng import get_rng_state, set_rng_state
 from .run_dir import CONFIG_TOML, RunLock, clear_previous_run, main_process, prepare
 from .schedule import build_scheduler, load_scheduler_state
-from .build import build_run_model
 from .setup import build_run
 from .step import train_step
 from .stopper import Stopper
@@ -210,23 +209,18 @@ def _start(cfg: RunConfig, run_dir: Path, runtime: Any, *, resume, overwrite: bo
     state = None
     if resume is not None:
         resume = resolve_checkpoint(resume, prefer="latest")
-        state = load_trainer_state(resume, mmap=runtime.parallel)  # a rank touches its part of the moments
+        state = load_trainer_state(resume)
     else:
         torch.manual_seed(tc.seed)
-    in_parts = _one_process_checkpoint(runtime, resume, state)  # each rank reads its part of it
-    loads_whole = (not runtime.reads_own_shards(state) and not in_parts if resume is not None  # else its shards
+    loads_whole = (not runtime.reads_own_shards(state) if resume is not None  # else each rank reads its shards
                    else bool(cfg.train.init_from) and not reads_in_parts(cfg.train.init_from))
     on_meta = meta_init_wanted(cfg, runtime, loads_whole)
     built = build_run(cfg, device, tokenizer_from=resume, log=log, meta=on_meta)
     cfg = built.config  # model.vocab_size now set
-    full_optim = None if on_meta else _read_checkpoint(built.model, cfg, runtime, resume, state, device)
+    full_optim = _read_checkpoint(built.model, cfg, runtime, resume, state, device)
     model, fwd_model = parallel.parallelize(built.model, cfg, runtime, tc)  # model: this rank's parameters
-    rows = getattr(runtime, "rows", None)
     if on_meta and resume is None and cfg.train.init_from:  # each rank reads its part of the base
-        init_sharded(model, cfg, rows, log)
-    elif on_meta and in_parts:
-        load_in_parts(model, cfg, resume, rows)
-        full_optim = _named_optimizer_state(cfg, tc, state["optimizer"], resume)
+        init_sharded(model, cfg, getattr(runtime, "rows", None), log)
     optimizer = build_optimizer(model, tc, lr_scale(model, cfg))
     run = _Run(cfg, tc, run_dir, runtime, model, fwd_model, built.objective, built.tokenizer, optimizer,
                build_scheduler(optimizer, tc, cfg.model.d_model), grad_scaler(tc.precision, device), log, good=resume)
@@ -245,30 +239,6 @@ def _start(cfg: RunConfig, run_dir: Path, runtime: Any, *, resume, overwrite: bo
     if main:  # last: nothing after it can fail and leave its files open
         run.tracker = open_tracker(run_dir, cfg, resume_step=run.step if state is not None else None)
     return run
-
-
-def _one_process_checkpoint(runtime, resume, state) -> bool:
-    """Whether a parallel run resumes a checkpoint that one process wrote (its optimizer state
-    in ``trainer_state.pt``, its weights in ``model.safetensors``): readable in parts."""
-    return (resume is not None and runtime.parallel and "optimizer" in state
-            and (resume / WEIGHTS).is_file())
-
-
-def _named_optimizer_state(cfg: RunConfig, tc: Any, saved: dict, checkpoint: Path) -> dict:
-    """A one-process optimizer state (parameters by index) keyed by parameter name, as
-    ``get_optimizer_state_dict`` gives it: the indices follow the run's parameter groups over
-    the whole model, built on the meta device (no storage) to read its order."""
-    with torch.device("meta"):
-        whole = build_run_model(cfg)
-    names = {id(p): name for name, p in whole.named_parameters()}
-    order = [names[id(p)] for g in param_groups(whole, tc.weight_decay, lr_scale(whole, cfg), tc.lr)
-             for p in g["params"]]
-    held = sorted(i for g in saved["param_groups"] for i in g["params"])
-    if held != list(range(len(order))):
-        raise UsageError(f"{checkpoint / 'trainer_state.pt'}: an optimizer over {len(held)} parameters; expected "
-                         f"{len(order)}, this run's (the checkpoint written with its config.json)")
-    return {"state": {order[i]: v for i, v in saved["state"].items()},
-            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]}
 
 
 def _read_checkpoint(model, cfg: RunConfig, runtime, resume, state, device) -> dict | None:

@@ -27,7 +27,7 @@ LAYOUTS = ("parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2")
 quiet = lambda *a: None  # noqa: E731
 
 
-def _counting_reads(monkeypatch_free: list[int]) -> None:
+def _counting_reads(read: list[int]) -> None:
     """Every element this process reads from a base: what safetensors' slices return and
     what DCP's plan for this rank asks of ``dcp/``."""
     real_open, real_plan = checkpoint_module.safe_open, _SafePlanner.create_local_plan
@@ -38,7 +38,7 @@ def _counting_reads(monkeypatch_free: list[int]) -> None:
 
         def __getitem__(self, index):
             t = self.inner[index]
-            monkeypatch_free.append(t.numel())
+            read.append(t.numel())
             return t
 
     class File:
@@ -57,7 +57,7 @@ def _counting_reads(monkeypatch_free: list[int]) -> None:
 
         def get_tensor(self, key):
             t = self.inner.get_tensor(key)
-            monkeypatch_free.append(t.numel())
+            read.append(t.numel())
             return t
 
         def get_slice(self, key):
@@ -65,7 +65,7 @@ def _counting_reads(monkeypatch_free: list[int]) -> None:
 
     def plan(self):
         local = real_plan(self)
-        monkeypatch_free.extend(math.prod(item.lengths) for item in local.items)
+        read.extend(math.prod(item.lengths) for item in local.items)
         return local
 
     checkpoint_module.safe_open, _SafePlanner.create_local_plan = File, plan

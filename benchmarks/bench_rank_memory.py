@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_rank_memory.py          # 1, 2, 4 and 8 gloo ranks, FSDP
     MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1 python benchmarks/bench_rank_memory.py   # freed memory returned
     OMP_NUM_THREADS=1 python benchmarks/bench_rank_memory.py --init-from --worlds 2,4    # from a base checkpoint
+    OMP_NUM_THREADS=1 python benchmarks/bench_rank_memory.py --resume --worlds 2,4       # resuming one process's
 
 Each rank trains a 75M-parameter Llama-shaped decoder (fp32, AdamW) for a few steps with
 ``blockformer``'s own ``train`` (FSDP2 over ``dp_shard = N``, meta-device initialisation, a
@@ -17,6 +18,9 @@ with ``MALLOC_MMAP_THRESHOLD_=65536`` large blocks go back to the system when fr
 peak follows the tensors. ``--init-from``: every run starts from a base checkpoint of the
 same model (``train.init_from``, one process's ``model.safetensors``): each rank reads its part
 of it into its shards, beside the same run loading the base whole on every rank first.
+``--resume``: every run resumes one process's checkpoint of the same model (weights in
+``model.safetensors``, AdamW moments in ``trainer_state.pt``) into its own layout: each rank
+reads its part of both, beside the same resume loading them whole on every rank first.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ def _peak_mib() -> float:
     return _status_mib("VmHWM")
 
 
-def _run(tmp: Path, world: int, meta: bool, init_from: str = "") -> dict:
+def _run(tmp: Path, world: int, meta: bool, init_from: str = "", resume: str = "") -> dict:
     from blockformer.parallel import runtime  # noqa: PLC0415
     from blockformer.run_config import load_run_config  # noqa: PLC0415
     from blockformer.train import loop  # noqa: PLC0415
@@ -84,12 +88,12 @@ def _run(tmp: Path, world: int, meta: bool, init_from: str = "") -> dict:
         import torch.distributed as dist  # noqa: PLC0415
         dist.barrier()
     base = _rss_mib()
-    loop.train(cfg, tmp / f"run-{world}-{int(meta)}", log=lambda *a: None)
+    loop.train(cfg, tmp / f"run-{world}-{int(meta)}", resume=resume or None, log=lambda *a: None)
     peak = _peak_mib()
     return {"base": base, "start": started[0], "train": before_save[0], "peak": peak}
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, meta: bool, init_from: str) -> None:
+def _worker(rank: int, world: int, port: int, tmp: str, meta: bool, init_from: str, resume: str) -> None:
     import torch.distributed as dist  # noqa: PLC0415
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -97,18 +101,18 @@ def _worker(rank: int, world: int, port: int, tmp: str, meta: bool, init_from: s
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        got = _run(Path(tmp), world, meta, init_from)
+        got = _run(Path(tmp), world, meta, init_from, resume)
         Path(tmp, f"rank-{world}-{int(meta)}-{rank}.json").write_text(json.dumps(got))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def measure(tmp: Path, world: int, meta: bool = True, init_from: str = "") -> list[dict]:
+def measure(tmp: Path, world: int, meta: bool = True, init_from: str = "", resume: str = "") -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, port, str(tmp), meta, init_from), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, port, str(tmp), meta, init_from, resume), nprocs=world, start_method="spawn")
     return [json.loads(Path(tmp, f"rank-{world}-{int(meta)}-{r}.json").read_text()) for r in range(world)]
 
 
@@ -128,7 +132,9 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worlds", default="1,2,4,8", help="process counts, comma-separated")
-    p.add_argument("--init-from", action="store_true", help="every run starts from a base checkpoint")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--init-from", action="store_true", help="every run starts from a base checkpoint")
+    start.add_argument("--resume", action="store_true", help="every run resumes one process's checkpoint")
     args = p.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
     with tempfile.TemporaryDirectory() as d:
@@ -138,7 +144,7 @@ def main() -> None:
         text = "".join(letters[i] for i in torch.randint(len(letters), (200_000,), generator=rng).tolist())
         (tmp / "text.txt").write_text(text, encoding="utf-8")
         base = ""
-        if args.init_from:  # the base: this model after one step of one process (model.safetensors)
+        if args.init_from or args.resume:  # the base: this model after one step of one process
             from blockformer.run_config import load_run_config  # noqa: PLC0415
             from blockformer.train import loop  # noqa: PLC0415
 
@@ -146,22 +152,25 @@ def main() -> None:
             loop.train(load_run_config(overrides=[f"data.text={tmp / 'text.txt'}", f"data.cache_dir={tmp / 'cache'}",
                                                   *steps, "train.steps=1"]), tmp / "base", log=lambda *a: None)
             base = str(tmp / "base")
+        start = {"resume": base} if args.resume else {"init_from": base}
         p1 = planned(tmp, 1)
         print(f"model: {p1['parameters']:,} parameters (fp32 weights + gradients + AdamW: "
               f"{16 * p1['parameters'] / 2**20:,.0f} MiB whole); batch 8 x 64 tokens, {STEPS} steps + one checkpoint; "
               f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}; CPU {cpu_kind()}"
-              f"{'; every run train.init_from a base checkpoint' if base else ''}\n")
-        whole_first = "base loaded whole first" if base else "built whole first"
+              f"{'; every run resumes a one-process checkpoint' if args.resume else ''}"
+              f"{'; every run train.init_from a base checkpoint' if args.init_from else ''}\n")
+        whole_first = ("checkpoint loaded whole first" if args.resume else "base loaded whole first" if base
+                       else "built whole first")
         print("| ranks | layout | set-up: peak above start, per rank (MiB) | training: peak above start, per rank "
               "(MiB) | planner total/rank (MiB) | measured / planner | with the checkpoint save (MiB) "
               f"| {whole_first}: set-up, training (MiB) |")
         print("| ---: | --- | --- | --- | ---: | ---: | --- | --- |")
         for world in worlds:
             if world == 1:  # one process: torch.multiprocessing keeps the same accounting
-                got = measure(tmp, 1, init_from=base)
+                got = measure(tmp, 1, **start)
                 whole = None
             else:
-                got, whole = measure(tmp, world, init_from=base), measure(tmp, world, meta=False, init_from=base)
+                got, whole = measure(tmp, world, **start), measure(tmp, world, meta=False, **start)
             growth = [g["train"] - g["base"] for g in got]
             saving = ", ".join(f"{g['peak'] - g['base']:.0f}" for g in got)
             want = planned(tmp, world)["memory_bytes"]["total"] / 2**20

@@ -1,14 +1,17 @@
-"""``train.init_from`` into a sharded run: each rank reads only its part of the base (slices of
-``model.safetensors``, its own chunks of ``dcp/``), and the shards hold the base's weights, so
-that training from them has the losses of a run that loaded the base whole on every rank."""
+"""``train.init_from`` into a sharded run, and a resume of a one-process checkpoint into one:
+each rank reads only its part of the weights (slices of ``model.safetensors``, its own chunks
+of ``dcp/``), and the shards hold the checkpoint's weights, so that training from them has the
+losses of a run that loaded it whole on every rank."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+import pytest
 import safetensors.torch
 import torch
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 from blockformer.parallel import checkpoint as checkpoint_module
@@ -17,7 +20,8 @@ from blockformer.parallel.checkpoint import dcp_weights
 from blockformer.parallel.dcp_reader import _SafePlanner
 from blockformer.train import finetune, loop
 from blockformer.train.build import build_run_model
-from blockformer.train.checkpoint import read_config, resolve_checkpoint
+from blockformer.train.checkpoint import load_trainer_state, read_config, resolve_checkpoint
+from blockformer.train.optim import build_optimizer
 
 from parallel_helpers import read_json, run_ranks, write_json
 from test_parallel_dp import lm_config
@@ -27,19 +31,22 @@ LAYOUTS = ("parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2")
 quiet = lambda *a: None  # noqa: E731
 
 
+class _Counted:
+    """``inner`` (a safetensors slice, or a tensor), each indexing's elements added to ``read``."""
+
+    def __init__(self, inner, read: list[int]):
+        self.inner, self.read = inner, read
+
+    def __getitem__(self, index):
+        t = self.inner[index]
+        self.read.append(t.numel())
+        return t
+
+
 def _counting_reads(read: list[int]) -> None:
     """Every element this process reads from a base: what safetensors' slices return and
     what DCP's plan for this rank asks of ``dcp/``."""
     real_open, real_plan = checkpoint_module.safe_open, _SafePlanner.create_local_plan
-
-    class Slice:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getitem__(self, index):
-            t = self.inner[index]
-            read.append(t.numel())
-            return t
 
     class File:
         def __init__(self, *args, **kwargs):
@@ -61,7 +68,7 @@ def _counting_reads(read: list[int]) -> None:
             return t
 
         def get_slice(self, key):
-            return Slice(self.inner.get_slice(key))
+            return _Counted(self.inner.get_slice(key), read)
 
     def plan(self):
         local = real_plan(self)
@@ -148,3 +155,120 @@ def test_fsdp_training_from_a_base_read_in_parts_has_the_losses_of_loading_it_wh
     run_ranks(2, _train_from_base, str(tmp_path), str(base))
     losses = read_json(tmp_path / "losses.json")
     assert len(losses["parts"]) == 3 and losses["parts"] == losses["whole"]  # bit for bit
+
+
+def _one_process_moments(checkpoint: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The AdamW state of one process's ``checkpoint`` keyed by parameter name, through torch's
+    own ``get_optimizer_state_dict`` over a one-process model (for the check only)."""
+    cfg = read_config(checkpoint)
+    model = build_run_model(cfg)
+    optimizer = build_optimizer(model, cfg.train, finetune.lr_scale(model, cfg))
+    optimizer.load_state_dict(load_trainer_state(checkpoint)["optimizer"])
+    return get_optimizer_state_dict(model, optimizer)["state"]
+
+
+def _counting_moment_reads(read: list[int]) -> None:
+    """Every element of a mapped optimizer state that this process copies a block from."""
+    real_copy = checkpoint_module._copy_block
+
+    def copy(target, whole, order, scalar=None):
+        return real_copy(target, _Counted(whole, read) if torch.is_tensor(whole) else whole, order, scalar)
+
+    checkpoint_module._copy_block = copy
+
+
+def _resume_on_rank(rank: int, tmp: str, checkpoint: str) -> None:
+    tmp_path = Path(tmp)
+    whole = safetensors.torch.load_file(Path(checkpoint) / "model.safetensors")  # for the check only
+    moments = _one_process_moments(Path(checkpoint))
+    read: list[int] = []
+    _counting_reads(read)
+    moments_read: list[int] = []
+    _counting_moment_reads(moments_read)
+    results = {}
+    for layout in LAYOUTS:
+        cfg = lm_config(tmp_path, layout, *UNTIED)
+        runtime = start(cfg, torch.device("cpu"))
+        read.clear()
+        moments_read.clear()
+        run = loop._start(cfg, tmp_path / f"resumed-{layout}", runtime, resume=Path(checkpoint), overwrite=False,
+                          log=quiet)
+        model = run.model
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.state_dict().values())
+        mismatched = [name for name, p in model.state_dict().items()
+                      if not torch.equal(runtime.rows.to_model(name, p.full_tensor() if isinstance(p, DTensor)
+                                                               else p.detach()), whole[name])]
+        for name, p in model.named_parameters():
+            state = run.optimizer.state[p]
+            for key in ("exp_avg", "exp_avg_sq"):
+                got = state[key].full_tensor() if isinstance(state[key], DTensor) else state[key]
+                if isinstance(state[key], DTensor) != isinstance(p, DTensor) or not torch.equal(runtime.rows.to_model(name, got),
+                                                                      moments[name][key]):
+                    mismatched.append(f"{name}.{key}")
+            if not torch.equal(state["step"], moments[name]["step"]):
+                mismatched.append(f"{name}.step")
+        results[layout] = {"read": sum(read), "local": local, "total": sum(t.numel() for t in whole.values()),
+                           "mismatched": mismatched, "new": [], "stage": sorted(model.state_dict()),
+                           "moments_read": sum(moments_read),
+                           "moments_local": 2 * sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+                                                    for p in model.parameters()),
+                           "eps": sorted({g["eps"] for g in run.optimizer.param_groups})}
+        if run.tracker is not None:
+            run.tracker.close()
+    write_json(tmp_path / f"resume-rank{rank}.json", results)
+
+
+def test_a_one_process_checkpoint_resumes_into_shards_each_rank_reading_its_part(tmp_path):
+    first = loop.train(lm_config(tmp_path, *UNTIED), tmp_path / "one", stop_at=2, log=quiet)
+    state = load_trainer_state(first.checkpoint)
+    for group in state["optimizer"]["param_groups"]:  # a saved hyperparameter the config does not give
+        group["eps"] = 3e-7
+    torch.save(state, first.checkpoint / "trainer_state.pt")
+    run_ranks(2, _resume_on_rank, str(tmp_path), str(first.checkpoint))
+    _check_layouts(tmp_path, "resume")  # the weights, and the moments (``mismatched``)
+    for rank in (0, 1):
+        for layout, got in read_json(tmp_path / f"resume-rank{rank}.json").items():
+            assert got["moments_read"] == got["moments_local"] > 0, layout  # its part of both moments, no more
+            assert got["eps"] == [3e-7], layout  # the saved groups' hyperparameters, as load_state_dict gives them
+
+
+def _resume_both_ways(rank: int, tmp: str, checkpoint: str) -> None:
+    tmp = Path(tmp)
+    cfg = lambda: lm_config(tmp, "parallel.dp_shard=2")  # noqa: E731 - tied table
+    parts = loop.train(cfg(), tmp / "parts", resume=checkpoint, log=quiet)
+    wanted = loop.meta_init_wanted
+    loop.meta_init_wanted = lambda *a: False  # the path that loads it whole on every rank
+    try:
+        whole = loop.train(cfg(), tmp / "whole", resume=checkpoint, log=quiet)
+    finally:
+        loop.meta_init_wanted = wanted
+    if rank == 0:
+        write_json(tmp / "resumed.json", {"parts": parts.losses, "whole": whole.losses})
+
+
+def test_fsdp_resuming_a_one_process_checkpoint_in_parts_has_the_losses_of_loading_it_whole(tmp_path):
+    first = loop.train(lm_config(tmp_path), tmp_path / "one", stop_at=2, log=quiet)
+    run_ranks(2, _resume_both_ways, str(tmp_path), str(first.checkpoint))
+    losses = read_json(tmp_path / "resumed.json")
+    assert len(losses["parts"]) == 1 and losses["parts"] == losses["whole"]  # bit for bit
+
+
+def _resident_file_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:")) / 1024
+
+
+@pytest.mark.skipif(checkpoint_module._madvise is None or not Path("/proc/self/status").is_file(),
+                    reason="MADV_PAGEOUT is Linux's")
+def test_a_mapped_moment_leaves_resident_memory_once_read_and_keeps_its_values(tmp_path):
+    torch.save({"m": torch.arange(16 * 2**20, dtype=torch.float32)}, tmp_path / "state.pt")  # 64 MiB
+    mapped = torch.load(tmp_path / "state.pt", mmap=True, weights_only=True)["m"]
+    before = _resident_file_mib()
+    total = float(mapped.sum())  # every page read
+    assert _resident_file_mib() - before > 48
+    checkpoint_module._page_out(mapped)
+    assert _resident_file_mib() - before < 16
+    assert float(mapped.sum()) == total  # read again from the file
+    anonymous = torch.arange(2**20, dtype=torch.float32)
+    checkpoint_module._page_out(anonymous)  # safe on memory that no file backs
+    assert torch.equal(anonymous, torch.arange(2**20, dtype=torch.float32))

@@ -21,10 +21,13 @@ Reading ``dcp/`` never runs code from it: every load goes through ``dcp_reader.s
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import shutil
 import struct
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +37,6 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -139,6 +141,28 @@ def _block(target: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[i
     return target, tuple(target.shape), (0,) * target.dim()
 
 
+def _copy_block(target: torch.Tensor, whole: Any, order: torch.Tensor | None,
+                scalar: Callable[[], torch.Tensor] | None = None) -> None:
+    """This rank's block of ``target`` copied from ``whole``, the full tensor in the model's row
+    order (a safetensors slice, or a tensor mapped from a file): only that block is read. A
+    reordered fused weight (``order``: the model's row of each sharded row) is a few runs of
+    rows that lie contiguous in the model's order, one slice each."""
+    local, shape, offset = _block(target)
+    if local.numel() == 0:
+        return
+    if local.dim() == 0:
+        local.copy_(scalar() if scalar is not None else whole)
+        return
+    rest = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))
+    if order is None:
+        local.copy_(whole[(slice(offset[0], offset[0] + shape[0]), *rest)])
+        return
+    mine = order[offset[0]: offset[0] + shape[0]]  # the model's rows, in the shard's order
+    for a, b in contiguous_runs(mine):
+        start = int(mine[a])
+        local[a:b].copy_(whole[(slice(start, start + b - a), *rest)])
+
+
 def _from_safetensors(file: Path, wanted: dict[str, tuple[torch.Tensor, list[str]]], rows: RowOrder) -> None:
     try:
         with safe_open(str(file), framework="pt") as f:
@@ -147,21 +171,8 @@ def _from_safetensors(file: Path, wanted: dict[str, tuple[torch.Tensor, list[str
                 key = next((n for n in names if n in present), None)
                 if key is None:
                     raise UsageError(f"{file}: holds no {name}; expected the file written with its config.json")
-                local, shape, offset = _block(target)
-                if local.numel() == 0:
-                    continue
-                if local.dim() == 0:
-                    local.copy_(f.get_tensor(key))
-                    continue
-                part, rest = f.get_slice(key), tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))
-                order = rows.orders.get(name)
-                if order is None:
-                    local.copy_(part[(slice(offset[0], offset[0] + shape[0]), *rest)])
-                    continue
-                mine = order[offset[0]: offset[0] + shape[0]]  # the file's rows, in the shard's order
-                for a, b in contiguous_runs(mine):
-                    start = int(mine[a])
-                    local[a:b].copy_(part[(slice(start, start + b - a), *rest)])
+                _copy_block(target, f.get_slice(key), rows.orders.get(name),
+                            lambda: f.get_tensor(key))  # a 0-dim tensor cannot be sliced
     except SafetensorError as e:
         raise UsageError(f"{file}: cannot read the weights ({str(e).strip().splitlines()[0]}); expected the "
                          f"file written with its config.json") from None
@@ -288,14 +299,63 @@ def full_optimizer_state(model: nn.Module, scratch: torch.optim.Optimizer, check
 
 
 def load_optimizer_state(par: Any, model: nn.Module, optimizer: torch.optim.Optimizer, full: dict) -> None:
-    """Give ``optimizer`` (over ``model``, possibly sharded) the full state dict ``full``."""
+    """Give ``optimizer`` (over ``model``, possibly sharded) the full state dict ``full`` (keyed
+    by parameter name, in the model's row order), written into its own state in place: each
+    rank copies the block of every moment that its parameters hold and nothing more, so a
+    state mapped from its file (``torch.load(mmap=True)``) is read in parts."""
     rows = par.rows if par is not None else RowOrder()
-    full = _map_states(full, rows.to_sharded)
-    mine = {name for name, _ in model.named_parameters()}  # a pipeline rank holds some stages only
-    full = {"state": {k: v for k, v in full["state"].items() if k in mine},
-            "param_groups": [{**g, "params": [p for p in g["params"] if p in mine]} for g in full["param_groups"]]}
-    options = StateDictOptions(full_state_dict=par is not None)
-    set_optimizer_state_dict(model, optimizer, full, options=options)
+    names = {p: name for name, p in model.named_parameters()}  # a pipeline rank holds some stages only
+    saved_groups = {name: g for g in full["param_groups"] for name in g["params"]}
+    for group in optimizer.param_groups:
+        saved = next((saved_groups[names[p]] for p in group["params"] if names[p] in saved_groups), None)
+        if saved is not None:
+            group.update({k: v for k, v in saved.items() if k != "params"})
+    with torch.no_grad():
+        for p, name in names.items():
+            if name in full["state"]:
+                optimizer.state[p] = {k: _moment_block(p, v, rows.orders.get(name)) if torch.is_tensor(v) else v
+                                      for k, v in full["state"][name].items()}
+
+
+def _moment_block(param: torch.Tensor, value: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """This rank's part of ``value``, a full tensor of ``param``'s state: a moment of its shape
+    becomes ``param``'s block of it (a DTensor laid out as ``param``, in its dtype), anything
+    else (the step) a copy."""
+    if value.shape != param.shape or value.dim() == 0:
+        return value.detach().clone()
+    if isinstance(param, DTensor):
+        target = DTensor.from_local(torch.empty_like(param.to_local()), param.device_mesh, param.placements,
+                                    run_check=False, shape=param.shape, stride=param.stride())
+    else:
+        target = torch.empty_like(param, memory_format=torch.contiguous_format)
+    _copy_block(target, value, order)
+    _page_out(value)
+    return target
+
+
+def _page_out(value: torch.Tensor) -> None:
+    """Let the kernel drop ``value``'s pages from this process (``MADV_PAGEOUT``, Linux 5.4+):
+    a tensor mapped from its file, once this rank has copied its block, leaves its resident
+    memory, so reading a state in parts stays at the parts; the data is kept (a file page is
+    read again, and an anonymous one without swap stays), so it is safe on any tensor."""
+    if _madvise is None or value.device.type != "cpu" or value.numel() == 0:
+        return
+    start = value.data_ptr() & ~(_PAGE - 1)
+    _madvise(start, value.data_ptr() + value.numel() * value.element_size() - start, _MADV_PAGEOUT)
+
+
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    if sys.platform != "linux":  # MADV_PAGEOUT is Linux's: elsewhere the pages stay until the state is freed
+        return None
+    try:
+        f = ctypes.CDLL(None).madvise
+    except (AttributeError, OSError):
+        return None
+    f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return f
+
+
+_madvise, _MADV_PAGEOUT, _PAGE = _libc_madvise(), 21, mmap.PAGESIZE
 
 
 def _load_here(state: dict, dcp_dir: Path) -> None:

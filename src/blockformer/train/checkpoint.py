@@ -492,12 +492,14 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> Che
     return Checkpoint(model=model.to(device).eval(), tokenizer=tokenizer, config=config, path=path)
 
 
-def load_trainer_state(path: str | Path) -> dict[str, Any]:
+def load_trainer_state(path: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """``trainer_state.pt``, read with ``weights_only=True``; ``mmap``: its tensors mapped from the
+    file, so a rank that reads part of a one-process optimizer state touches that part only."""
     file = Path(path) / STATE
     if not file.is_file():
         raise UsageError(f"{file}: trainer state not found; expected a checkpoint from `blockformer train`")
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         if "global" in str(e).lower():  # a class or function the safe unpickler will not import
             raise UsageError(f"{file}: refused: it holds objects other than tensors and plain containers, "

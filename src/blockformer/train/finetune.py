@@ -5,7 +5,9 @@ head, adapters, frozen parts) and copies in the weights of ``train.init_from``, 
 name and shape: the head is new where the task differs, and every tensor not carried over
 is named. A sharded run (built on the meta device, materialised shard by shard) does the
 same matching on shapes alone and then each rank reads only its own part of the base
-(``init_sharded``): loading it whole would put the whole base on every rank. ``lr_scale``
+(``init_sharded``): loading it whole would put the whole base on every rank. A resume of a
+one-process checkpoint into a sharded layout reads its weights and moments in parts the
+same way (``resume_in_parts``). ``lr_scale``
 gives each parameter its share of ``train.lr``: layer-wise decay (Clark et al. 2020,
 ELECTRA; ``decay ** (depth from the top)``) and a separate head rate.
 """
@@ -19,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..errors import UsageError
 from ..models.heads import TaskModel
 from ..parallel.checkpoint import DCP_DIR, read_parts
 from ..parallel.tensor import RowOrder
@@ -27,6 +30,7 @@ from ..run_config import RunConfig
 from .adapter import HEAD
 from .build import build_run_model
 from .checkpoint import InitReport, check_base_arch, load_matching, match_weights, resolve_checkpoint
+from .optim import param_groups
 
 _BLOCK = re.compile(r"(?:^|\.)(encoder|decoder)\.blocks\.(\d+)\.")
 
@@ -66,15 +70,50 @@ def init_sharded(model: nn.Module, cfg: RunConfig, rows: RowOrder | None, log: A
     base_cfg = check_base_arch(source, cfg)
     base, aliases = _shapes(base_cfg)
     report, keys = match_weights(_shapes(cfg)[0], base, base_cfg, cfg, target_is_task=False)
-    held = model.state_dict(keep_vars=True)  # this rank's: sharded DTensors, or its stages' tensors
+    read_parts(source, _held(model, keys, aliases), rows or RowOrder())
+    if log is not None:
+        log(report.describe(cfg.train.init_from))
+    return report
+
+
+def resumes_in_parts(runtime: Any, checkpoint: Path | None, state: dict | None) -> bool:
+    """Whether a parallel run resumes a checkpoint that one process wrote (weights in
+    ``model.safetensors``, the optimizer state in ``trainer_state.pt``): readable in parts."""
+    return (checkpoint is not None and runtime.parallel and "optimizer" in state
+            and (checkpoint / WEIGHTS).is_file())
+
+
+def resume_in_parts(model: nn.Module, cfg: RunConfig, checkpoint: Path, state: dict, rows: RowOrder | None) -> dict:
+    """A resume of this run's one-process ``checkpoint`` into a sharded layout: each rank reads
+    its part of ``model.safetensors`` into its shards of the materialised ``model``; returns the
+    optimizer state (``state``'s, tensors mapped from the file) keyed by parameter name, for
+    ``parallel.checkpoint.load_optimizer_state`` to copy each rank's part of the moments from."""
+    _, aliases = _shapes(cfg)
+    read_parts(checkpoint, _held(model, {name: name for name in aliases}, aliases), rows or RowOrder())
+    saved = state["optimizer"]
+    with torch.device("meta"):  # the parameters' order, as the one process's optimizer numbered them
+        whole = build_run_model(cfg)
+    names = {id(p): name for name, p in whole.named_parameters()}
+    order = [names[id(p)] for g in param_groups(whole, cfg.train.weight_decay, lr_scale(whole, cfg), cfg.train.lr)
+             for p in g["params"]]
+    held = sorted(i for g in saved["param_groups"] for i in g["params"])
+    if held != list(range(len(order))):
+        raise UsageError(f"{checkpoint / 'trainer_state.pt'}: an optimizer over {len(held)} parameters; expected "
+                         f"{len(order)}, this run's (the checkpoint written with its config.json)")
+    return {"state": {order[i]: v for i, v in saved["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]}
+
+
+def _held(model: nn.Module, keys: dict[str, str], aliases: dict[str, list[str]]
+          ) -> dict[str, tuple[torch.Tensor, list[str]]]:
+    """name -> (this rank's tensor, the names the checkpoint may hold it under) for the names of
+    ``keys`` (name -> the base's key) this rank holds: sharded DTensors, or its stages' tensors."""
+    held = model.state_dict(keep_vars=True)
     wanted: dict[str, tuple[torch.Tensor, list[str]]] = {}
     for name, key in keys.items():
         if name in held and not any(held[name] is t for t, _ in wanted.values()):  # a tied table once
             wanted[name] = (held[name], aliases[key])
-    read_parts(source, wanted, rows or RowOrder())
-    if log is not None:
-        log(report.describe(cfg.train.init_from))
-    return report
+    return wanted
 
 
 def _shapes(cfg: RunConfig) -> tuple[dict[str, torch.Size], dict[str, list[str]]]:

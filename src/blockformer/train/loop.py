@@ -58,7 +58,7 @@ from .checkpoint import (
     step_dir_name,
 )
 from .compile import compile_loss, resolve_compile
-from .finetune import init_sharded, lr_scale, reads_in_parts
+from .finetune import init_sharded, lr_scale, reads_in_parts, resume_in_parts, resumes_in_parts
 from .finite import diverged_message, finite_weights, restore_finite
 from .metrics import perplexity, plot_losses
 from .optim import build_optimizer, kernel_kept
@@ -209,18 +209,22 @@ def _start(cfg: RunConfig, run_dir: Path, runtime: Any, *, resume, overwrite: bo
     state = None
     if resume is not None:
         resume = resolve_checkpoint(resume, prefer="latest")
-        state = load_trainer_state(resume)
+        state = load_trainer_state(resume, mmap=runtime.parallel)  # a rank touches its part of the moments
     else:
         torch.manual_seed(tc.seed)
-    loads_whole = (not runtime.reads_own_shards(state) if resume is not None  # else each rank reads its shards
+    in_parts = resumes_in_parts(runtime, resume, state)  # each rank reads its part of it
+    loads_whole = (not runtime.reads_own_shards(state) and not in_parts if resume is not None  # else its shards
                    else bool(cfg.train.init_from) and not reads_in_parts(cfg.train.init_from))
     on_meta = meta_init_wanted(cfg, runtime, loads_whole)
     built = build_run(cfg, device, tokenizer_from=resume, log=log, meta=on_meta)
     cfg = built.config  # model.vocab_size now set
-    full_optim = _read_checkpoint(built.model, cfg, runtime, resume, state, device)
+    full_optim = None if on_meta else _read_checkpoint(built.model, cfg, runtime, resume, state, device)
     model, fwd_model = parallel.parallelize(built.model, cfg, runtime, tc)  # model: this rank's parameters
+    rows = getattr(runtime, "rows", None)
     if on_meta and resume is None and cfg.train.init_from:  # each rank reads its part of the base
-        init_sharded(model, cfg, getattr(runtime, "rows", None), log)
+        init_sharded(model, cfg, rows, log)
+    elif on_meta and in_parts:  # its part of the weights now, of the moments with the optimizer
+        full_optim = resume_in_parts(model, cfg, resume, state, rows)
     optimizer = build_optimizer(model, tc, lr_scale(model, cfg))
     run = _Run(cfg, tc, run_dir, runtime, model, fwd_model, built.objective, built.tokenizer, optimizer,
                build_scheduler(optimizer, tc, cfg.model.d_model), grad_scaler(tc.precision, device), log, good=resume)

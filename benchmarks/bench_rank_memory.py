@@ -159,7 +159,7 @@ def main() -> None:
               f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}; CPU {cpu_kind()}"
               f"{'; every run resumes a one-process checkpoint' if args.resume else ''}"
               f"{'; every run train.init_from a base checkpoint' if args.init_from else ''}\n")
-        whole_first = ("checkpoint loaded whole first" if args.resume else "base loaded whole first" if base
+        whole_first = ("weights loaded whole first" if args.resume else "base loaded whole first" if base
                        else "built whole first")
         print("| ranks | layout | set-up: peak above start, per rank (MiB) | training: peak above start, per rank "
               "(MiB) | planner total/rank (MiB) | measured / planner | with the checkpoint save (MiB) "

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
+from blockformer.errors import UsageError
 from blockformer.parallel import checkpoint as checkpoint_module
 from blockformer.parallel import parallelize, start
 from blockformer.parallel.checkpoint import dcp_weights
@@ -272,3 +273,13 @@ def test_a_mapped_moment_leaves_resident_memory_once_read_and_keeps_its_values(t
     anonymous = torch.arange(2**20, dtype=torch.float32)
     checkpoint_module._page_out(anonymous)  # safe on memory that no file backs
     assert torch.equal(anonymous, torch.arange(2**20, dtype=torch.float32))
+
+
+def test_a_one_process_optimizer_state_over_other_parameters_is_refused_naming_the_file(tmp_path):
+    first = loop.train(lm_config(tmp_path, *UNTIED), tmp_path / "one", stop_at=1, log=quiet)
+    cfg = read_config(first.checkpoint)
+    state = load_trainer_state(first.checkpoint)
+    state["optimizer"]["param_groups"][0]["params"].pop()  # one parameter short of this run's
+    model = build_run_model(cfg)
+    with pytest.raises(UsageError, match=r"trainer_state\.pt: an optimizer over \d+ parameters; expected \d+"):
+        finetune.resume_in_parts(model, cfg, first.checkpoint, state, None)

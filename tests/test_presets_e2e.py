@@ -20,6 +20,7 @@ EXTRA = {
     "char-lm-tiny": ["data.text={corpus}", "train.batch_size=4"],  # keeps sample_tokens=200 > max_seq_len=64
     "stdlib-lm": ["data.max_bytes=300000", "train.batch_size=4", "train.sample_tokens=150"],
     "translate-small": ["data.src={src}", "data.tgt={tgt}", "data.vocab_size=300", "train.max_tokens=400"],
+    "translate-small-fp32": ["data.src={src}", "data.tgt={tgt}", "data.vocab_size=300", "train.max_tokens=400"],
     "original-base": ["data.src={src}", "data.tgt={tgt}", "data.vocab_size=300", "train.max_tokens=400"],
     "stdlib-mlm": ["data.text={corpus}", "train.batch_size=4"],
     "stdlib-packages": ["data.labels={labels}", "data.val_labels={labels}", "train.batch_size=4"],

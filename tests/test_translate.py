@@ -2,6 +2,7 @@
 trained on the reverse task, BLEU 100 on it, input order kept through length-sorted
 batches, n-best lines, length limits, and one-line errors."""
 
+import dataclasses
 import io
 import json
 import math
@@ -223,3 +224,13 @@ def test_translate_small_preset_trains_a_shared_vocabulary_translator(tmp_path):
     [out] = translate_texts(model, ckpt.tokenizer, ["ein Hund singt"], beam_size=2, max_len_b=4)
     [[best]] = beam_search(model, [ckpt.tokenizer.encode("ein Hund singt") + [EOS_ID]], beam_size=2, max_len=4)
     assert len(best.tokens) <= 4 and out == ckpt.tokenizer.decode(best.tokens)
+
+
+def test_the_fp32_translation_preset_is_translate_small_with_a_schedule_that_fits_700_steps():
+    small, fp32 = load_run_config(preset="translate-small"), load_run_config(preset="translate-small-fp32")
+    assert dataclasses.replace(fp32.model, dropout=0.2, attention_dropout=0.1) == small.model  # the same model
+    assert (fp32.model.dropout, fp32.model.attention_dropout) == (0.1, 0.0)
+    assert fp32.data == small.data
+    differ = {f.name for f in dataclasses.fields(small.train) if getattr(small.train, f.name) != getattr(fp32.train, f.name)}
+    assert differ == {"name", "steps", "warmup", "eval_every"}  # the same batches, optimizer and noam factor
+    assert (fp32.train.steps, fp32.train.warmup, fp32.train.precision) == (700, 200, "auto")

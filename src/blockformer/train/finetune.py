@@ -88,11 +88,11 @@ def resume_in_parts(model: nn.Module, cfg: RunConfig, checkpoint: Path, state: d
     its part of ``model.safetensors`` into its shards of the materialised ``model``; returns the
     optimizer state (``state``'s, tensors mapped from the file) keyed by parameter name, for
     ``parallel.checkpoint.load_optimizer_state`` to copy each rank's part of the moments from."""
-    _, aliases = _shapes(cfg)
+    with torch.device("meta"):  # its names, and the parameters' order as the one process's optimizer numbered them
+        whole = build_run_model(cfg)
+    aliases = _shapes_of(whole)[1]
     read_parts(checkpoint, _held(model, {name: name for name in aliases}, aliases), rows or RowOrder())
     saved = state["optimizer"]
-    with torch.device("meta"):  # the parameters' order, as the one process's optimizer numbered them
-        whole = build_run_model(cfg)
     names = {id(p): name for name, p in whole.named_parameters()}
     order = [names[id(p)] for g in param_groups(whole, cfg.train.weight_decay, lr_scale(whole, cfg), cfg.train.lr)
              for p in g["params"]]
@@ -120,7 +120,10 @@ def _shapes(cfg: RunConfig) -> tuple[dict[str, torch.Size], dict[str, list[str]]
     """name -> shape of every tensor in the state dict of ``cfg``'s run model (built on the
     meta device: no storage), and name -> the names of its tied table (a file holds one)."""
     with torch.device("meta"):
-        model = build_run_model(cfg)
+        return _shapes_of(build_run_model(cfg))
+
+
+def _shapes_of(model: nn.Module) -> tuple[dict[str, torch.Size], dict[str, list[str]]]:
     tensors = model.state_dict(keep_vars=True)
     groups: dict[int, list[str]] = {}
     for name, t in tensors.items():

@@ -4,6 +4,7 @@
     MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1 python benchmarks/bench_rank_memory.py   # freed memory returned
     OMP_NUM_THREADS=1 python benchmarks/bench_rank_memory.py --init-from --worlds 2,4    # from a base checkpoint
     OMP_NUM_THREADS=1 python benchmarks/bench_rank_memory.py --resume --worlds 2,4       # resuming one process's
+    OMP_NUM_THREADS=1 python benchmarks/bench_rank_memory.py --init-from-lora --worlds 2,4   # from a LoRA checkpoint
 
 Each rank trains a 75M-parameter Llama-shaped decoder (fp32, AdamW) for a few steps with
 ``blockformer``'s own ``train`` (FSDP2 over ``dp_shard = N``, meta-device initialisation, a
@@ -21,6 +22,10 @@ of it into its shards, beside the same run loading the base whole on every rank 
 ``--resume``: every run resumes one process's checkpoint of the same model (weights in
 ``model.safetensors``, AdamW moments in ``trainer_state.pt``) into its own layout: each rank
 reads its part of both, beside the same resume loading them whole on every rank first.
+``--init-from-lora``: every run starts from a LoRA checkpoint (rank-16 adapters on every
+projection, one step, over that base): each rank composes its part of the merged weights
+(its block of the base, plus its block of ``scale * B A``) and rank 0 streams the base through
+the adapter's fingerprint check, beside the same run merging it whole on every rank first.
 """
 
 from __future__ import annotations
@@ -135,6 +140,7 @@ def main() -> None:
     start = p.add_mutually_exclusive_group()
     start.add_argument("--init-from", action="store_true", help="every run starts from a base checkpoint")
     start.add_argument("--resume", action="store_true", help="every run resumes one process's checkpoint")
+    start.add_argument("--init-from-lora", action="store_true", help="every run starts from a LoRA checkpoint")
     args = p.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
     with tempfile.TemporaryDirectory() as d:
@@ -144,23 +150,28 @@ def main() -> None:
         text = "".join(letters[i] for i in torch.randint(len(letters), (200_000,), generator=rng).tolist())
         (tmp / "text.txt").write_text(text, encoding="utf-8")
         base = ""
-        if args.init_from or args.resume:  # the base: this model after one step of one process
+        if args.init_from or args.resume or args.init_from_lora:  # the base: this model after one step of one process
             from blockformer.run_config import load_run_config  # noqa: PLC0415
             from blockformer.train import loop  # noqa: PLC0415
 
-            steps = [o for o in OVERRIDES if not o.startswith("train.steps=")]
-            loop.train(load_run_config(overrides=[f"data.text={tmp / 'text.txt'}", f"data.cache_dir={tmp / 'cache'}",
-                                                  *steps, "train.steps=1"]), tmp / "base", log=lambda *a: None)
+            steps = [f"data.text={tmp / 'text.txt'}", f"data.cache_dir={tmp / 'cache'}",
+                     *(o for o in OVERRIDES if not o.startswith("train.steps=")), "train.steps=1"]
+            loop.train(load_run_config(overrides=steps), tmp / "base", log=lambda *a: None)
             base = str(tmp / "base")
+            if args.init_from_lora:
+                lora = [f"train.init_from={base}", "lora.rank=16", "lora.targets=qkv,out,gate,up,down"]
+                loop.train(load_run_config(overrides=[*steps, *lora]), tmp / "lora", log=lambda *a: None)
+                base = str(tmp / "lora")
         start = {"resume": base} if args.resume else {"init_from": base}
         p1 = planned(tmp, 1)
         print(f"model: {p1['parameters']:,} parameters (fp32 weights + gradients + AdamW: "
               f"{16 * p1['parameters'] / 2**20:,.0f} MiB whole); batch 8 x 64 tokens, {STEPS} steps + one checkpoint; "
               f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}; CPU {cpu_kind()}"
               f"{'; every run resumes a one-process checkpoint' if args.resume else ''}"
-              f"{'; every run train.init_from a base checkpoint' if args.init_from else ''}\n")
-        whole_first = ("weights loaded whole first" if args.resume else "base loaded whole first" if base
-                       else "built whole first")
+              f"{'; every run train.init_from a base checkpoint' if args.init_from else ''}"
+              f"{'; every run train.init_from a LoRA checkpoint over a base' if args.init_from_lora else ''}\n")
+        whole_first = ("weights loaded whole first" if args.resume else "merged whole first" if args.init_from_lora
+                       else "base loaded whole first" if base else "built whole first")
         print("| ranks | layout | set-up: peak above start, per rank (MiB) | training: peak above start, per rank "
               "(MiB) | planner total/rank (MiB) | measured / planner | with the checkpoint save (MiB) "
               f"| {whole_first}: set-up, training (MiB) |")

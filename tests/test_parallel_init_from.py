@@ -6,6 +6,7 @@ losses of a run that loaded it whole on every rank."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,10 @@ from blockformer.parallel import parallelize, start
 from blockformer.parallel.checkpoint import dcp_weights
 from blockformer.parallel.dcp_reader import _SafePlanner
 from blockformer.train import finetune, loop
+from blockformer.train.adapter import recorded_fingerprint
 from blockformer.train.build import build_run_model
-from blockformer.train.checkpoint import load_trainer_state, read_config, resolve_checkpoint
+from blockformer.paths import WEIGHTS
+from blockformer.train.checkpoint import load_checkpoint, load_trainer_state, read_config, resolve_checkpoint
 from blockformer.train.optim import build_optimizer
 
 from parallel_helpers import read_json, run_ranks, write_json
@@ -85,9 +88,11 @@ def _layouts_on_rank(rank: int, tmp: str, base: str, kind: str) -> None:
         loop.train(lm_config(tmp_path, "parallel.dp_shard=2", "train.consolidate=false", *UNTIED), base, log=quiet)
     base_dir = resolve_checkpoint(base)
     whole = (safetensors.torch.load_file(base_dir / "model.safetensors") if kind == "safetensors"
+             else load_checkpoint(base_dir).model.state_dict() if kind == "lora"  # its adapters merged whole
              else dcp_weights(base_dir, read_config(base_dir)))  # for the check only
     read: list[int] = []
     _counting_reads(read)
+    hashed = _counting_fingerprints()
     results = {}
     vocab = read_config(base_dir).model.vocab_size  # the tokenizer's, as a run from the base resolves it
     for layout in LAYOUTS:
@@ -95,6 +100,7 @@ def _layouts_on_rank(rank: int, tmp: str, base: str, kind: str) -> None:
         par = start(cfg, torch.device("cpu"))
         model, _ = parallelize(build_run_model(cfg, seed=cfg.train.seed + 1, meta=True), cfg, par)
         read.clear()
+        hashed.clear()
         report = finetune.init_sharded(model, cfg, par.rows, log=None)
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.state_dict().values())
         mismatched = []
@@ -104,8 +110,25 @@ def _layouts_on_rank(rank: int, tmp: str, base: str, kind: str) -> None:
                 mismatched.append(name)
         results[layout] = {"read": sum(read), "local": local, "total": sum(t.numel() for t in whole.values()),
                            "mismatched": mismatched, "loaded": len(report.loaded), "new": report.new,
-                           "stage": sorted(model.state_dict())}
+                           "stage": sorted(model.state_dict()), "hashed": sum(hashed)}
     write_json(tmp_path / f"{kind}-rank{rank}.json", results)
+
+
+def _counting_fingerprints() -> list[int]:
+    """Every base element this process hashes to check a LoRA checkpoint's base fingerprint."""
+    hashed: list[int] = []
+    real = finetune.fingerprint_of
+
+    def counted(entries):
+        def blocks(fn):
+            for block in fn():
+                hashed.append(block.numel())
+                yield block
+
+        return real((*entry[:4], lambda fn=entry[4]: blocks(fn)) for entry in entries)
+
+    finetune.fingerprint_of = counted
+    return hashed
 
 
 def _check_layouts(tmp_path: Path, kind: str) -> None:
@@ -136,6 +159,49 @@ def test_each_rank_reads_only_its_chunks_of_a_dcp_base_and_holds_its_weights(tmp
     _check_layouts(tmp_path, "dcp")
 
 
+def _lora_checkpoint(tmp_path: Path, *overrides: str) -> Path:
+    """A one-process LoRA run over a one-process base: adapters on every projection (a gated
+    FFN's gate and up are two parts of one weight), trained until ``B A`` is far from zero."""
+    base = tmp_path / "base"
+    loop.train(lm_config(tmp_path, *UNTIED, *overrides), base, log=quiet)
+    return loop.train(lm_config(tmp_path, *UNTIED, *overrides, f"train.init_from={base}", "lora.rank=2",
+                                "lora.targets=qkv,out,gate,up,down", "lora.alpha=8", "train.lr=3e-2"),
+                      tmp_path / "lora", log=quiet).checkpoint
+
+
+def test_each_rank_composes_only_its_shards_of_a_lora_checkpoint_merged(tmp_path):
+    lora = _lora_checkpoint(tmp_path)
+    merged, base = load_checkpoint(lora).model.state_dict(), safetensors.torch.load_file(resolve_checkpoint(tmp_path / "base") / WEIGHTS)
+    moved = [n for n in base if n.endswith((".qkv.weight", ".out.weight", ".up.weight", ".down.weight"))]
+    assert moved and all((merged[n] - base[n]).abs().max() > 1e-3 for n in moved)  # the adapters count
+    run_ranks(2, _layouts_on_rank, str(tmp_path), str(lora), "lora")
+    _check_layouts(tmp_path, "lora")  # each rank's shards equal the merged weights; it read its block of the base
+    ranks = [read_json(tmp_path / f"lora-rank{r}.json") for r in (0, 1)]
+    for layout in LAYOUTS:  # the base checked against the adapter's fingerprint once, by rank 0, a block at a time
+        assert ranks[0][layout]["hashed"] == ranks[0][layout]["total"] and ranks[1][layout]["hashed"] == 0, layout
+
+
+def _refused_on_rank(rank: int, tmp: str, lora: str) -> None:
+    cfg = lm_config(Path(tmp), "parallel.dp_shard=2", *UNTIED, f"train.init_from={lora}")
+    par = start(cfg, torch.device("cpu"))
+    model, _ = parallelize(build_run_model(cfg, meta=True), cfg, par)
+    try:
+        finetune.init_sharded(model, cfg, par.rows, log=None)
+    except UsageError as e:
+        write_json(Path(tmp) / f"refused-rank{rank}.json", str(e))
+
+
+def test_a_lora_checkpoint_whose_base_changed_is_refused_on_every_rank(tmp_path):
+    lora = _lora_checkpoint(tmp_path)
+    weights = safetensors.torch.load_file(resolve_checkpoint(tmp_path / "base") / WEIGHTS)
+    weights["embed.tokens.weight"][3, 5] += 1e-3  # one element of the base edited since the adapter was trained
+    safetensors.torch.save_file(weights, resolve_checkpoint(tmp_path / "base") / WEIGHTS)
+    run_ranks(2, _refused_on_rank, str(tmp_path), str(lora))
+    for rank in (0, 1):
+        assert re.search(r"adapter\.safetensors: its base .* has changed since the adapter was trained",
+                         read_json(tmp_path / f"refused-rank{rank}.json")), rank
+
+
 def _train_from_base(rank: int, tmp: str, base: str) -> None:
     tmp = Path(tmp)
     cfg = lambda: lm_config(tmp, "parallel.dp_shard=2", f"train.init_from={base}")  # noqa: E731 - tied table
@@ -150,12 +216,27 @@ def _train_from_base(rank: int, tmp: str, base: str) -> None:
         write_json(tmp / "losses.json", {"parts": parts.losses, "whole": whole.losses})
 
 
-def test_fsdp_training_from_a_base_read_in_parts_has_the_losses_of_loading_it_whole(tmp_path):
-    base = tmp_path / "base"
-    loop.train(lm_config(tmp_path), base, log=quiet)
+@pytest.mark.parametrize("kind", ["weights", "lora"])
+def test_fsdp_training_from_a_base_read_in_parts_has_the_losses_of_loading_it_whole(tmp_path, kind):
+    if kind == "lora":  # a tied table: the adapters' base read in parts under its tied names
+        base = _lora_checkpoint(tmp_path, "model.tie_embeddings=true")
+        assert finetune.reads_in_parts(base)
+    else:
+        base = tmp_path / "base"
+        loop.train(lm_config(tmp_path), base, log=quiet)
     run_ranks(2, _train_from_base, str(tmp_path), str(base))
     losses = read_json(tmp_path / "losses.json")
     assert len(losses["parts"]) == 3 and losses["parts"] == losses["whole"]  # bit for bit
+
+
+def test_a_tied_lora_checkpoints_base_streamed_from_its_file_has_the_recorded_fingerprint(tmp_path):
+    lora = _lora_checkpoint(tmp_path, "model.tie_embeddings=true")
+    adapted = finetune._adapted(lora)
+    assert any(tied for *_, tied in adapted.fingerprinted)  # the head's name: the table's, hashed once
+    assert finetune._streamed_fingerprint(adapted, block_elements=100) == recorded_fingerprint(lora)
+    assert finetune.reads_in_parts(lora)
+    (resolve_checkpoint(tmp_path / "base") / WEIGHTS).unlink()  # a base without model.safetensors: merged whole
+    assert not finetune.reads_in_parts(lora)
 
 
 def _one_process_moments(checkpoint: Path) -> dict[str, dict[str, torch.Tensor]]:

@@ -119,16 +119,17 @@ def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
 
 
 # ---------------------------------------------------------------------- a base read in parts
-def read_parts(checkpoint: Path, wanted: dict[str, tuple[torch.Tensor, list[str]]], rows: RowOrder) -> None:
+def read_parts(checkpoint: Path, wanted: dict[str, tuple[torch.Tensor, list[str]]], rows: RowOrder,
+               weights: str = WEIGHTS) -> None:
     """Fill in each of ``wanted`` (name -> this rank's target, a DTensor or a tensor it holds
     whole, and the names the checkpoint may hold it under: a tied table's) from ``checkpoint``,
-    reading only the block the rank holds: a slice of ``model.safetensors`` at the shard's
-    offsets (safetensors copies just those rows and columns), else the rank's own chunks of
-    ``dcp/`` (a collective). A reordered fused weight (``rows``) is a few runs of rows that lie
-    contiguous in the file's order: one slice each."""
+    reading only the block the rank holds: a slice of its safetensors file ``weights`` at the
+    shard's offsets (safetensors copies just those rows and columns), else the rank's own
+    chunks of ``dcp/`` (a collective). A reordered fused weight (``rows``) is a few runs of rows
+    that lie contiguous in the file's order: one slice each."""
     with torch.no_grad():
-        if (checkpoint / WEIGHTS).is_file():
-            _from_safetensors(checkpoint / WEIGHTS, wanted, rows)
+        if (checkpoint / weights).is_file():
+            _from_safetensors(checkpoint / weights, wanted, rows)
         else:
             _from_dcp(checkpoint / DCP_DIR, wanted, rows)
 
@@ -142,25 +143,35 @@ def _block(target: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[i
 
 
 def _copy_block(target: torch.Tensor, whole: Any, order: torch.Tensor | None,
-                scalar: Callable[[], torch.Tensor] | None = None) -> None:
+                scalar: Callable[[], torch.Tensor] | None = None, add: bool = False) -> None:
     """This rank's block of ``target`` copied from ``whole``, the full tensor in the model's row
-    order (a safetensors slice, or a tensor mapped from a file): only that block is read. A
-    reordered fused weight (``order``: the model's row of each sharded row) is a few runs of
-    rows that lie contiguous in the model's order, one slice each."""
+    order (a safetensors slice, a tensor mapped from a file, or anything indexed by a row slice
+    and column slices), or added to it (``add``): only that block is read. A reordered fused
+    weight (``order``: the model's row of each sharded row) is a few runs of rows that lie
+    contiguous in the model's order, one slice each."""
     local, shape, offset = _block(target)
+    put = torch.Tensor.add_ if add else torch.Tensor.copy_
     if local.numel() == 0:
         return
     if local.dim() == 0:
-        local.copy_(scalar() if scalar is not None else whole)
+        put(local, scalar() if scalar is not None else whole)
         return
     rest = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))
     if order is None:
-        local.copy_(whole[(slice(offset[0], offset[0] + shape[0]), *rest)])
+        put(local, whole[(slice(offset[0], offset[0] + shape[0]), *rest)])
         return
     mine = order[offset[0]: offset[0] + shape[0]]  # the model's rows, in the shard's order
     for a, b in contiguous_runs(mine):
         start = int(mine[a])
-        local[a:b].copy_(whole[(slice(start, start + b - a), *rest)])
+        put(local[a:b], whole[(slice(start, start + b - a), *rest)])
+
+
+def add_parts(wanted: dict[str, tuple[torch.Tensor, Any]], rows: RowOrder) -> None:
+    """Add to each of ``wanted`` (name -> this rank's target, and the full tensor to add,
+    indexed by a row slice and column slices: an adapter's low-rank update) this rank's block."""
+    with torch.no_grad():
+        for name, (target, whole) in wanted.items():
+            _copy_block(target, whole, rows.orders.get(name), add=True)
 
 
 def _from_safetensors(file: Path, wanted: dict[str, tuple[torch.Tensor, list[str]]], rows: RowOrder) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import safetensors
 import safetensors.torch
@@ -21,7 +21,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..models.heads import TaskModel
-from ..nn.lora import LORA_MARK, adapter_state, lora_layers
+from ..nn.lora import LORA_MARK, LoRALinear, adapter_state, lora_layers
 from ..run_config import RunConfig
 
 ADAPTER = "adapter.safetensors"
@@ -71,30 +71,69 @@ def base_fingerprint(model: nn.Module) -> str:
     cached = getattr(model, _CACHE, None)
     if cached is not None and cached[0] == identity:
         return cached[1]
-    digest, seen = hashlib.sha256(), set()
+    entries, seen = [], set()
     for name, t in base:
         key = (t.data_ptr(), t.dtype, tuple(t.shape))
-        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}:{'tied' if key in seen else ''};".encode())
-        if key not in seen and t.numel():
+        entries.append((name, t.dtype, t.shape, key in seen, lambda t=t: [t]))
+        if t.numel():
             seen.add(key)
-            data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            digest.update(memoryview(data.numpy()))
-    fingerprint = "sha256:" + digest.hexdigest()
+    fingerprint = fingerprint_of(entries)
     setattr(model, _CACHE, (identity, fingerprint))
     return fingerprint
+
+
+def fingerprint_of(entries: Iterable[tuple[str, torch.dtype, torch.Size, bool, Callable[[], Iterable[torch.Tensor]]]]
+                   ) -> str:
+    """The digest of ``base_fingerprint`` over ``entries``: (name, dtype, shape, whether an
+    earlier name holds the same tensor, its values as consecutive row blocks). The blocks
+    may come from a file a few rows at a time: the bytes hashed are the same."""
+    digest = hashlib.sha256()
+    for name, dtype, shape, tied, blocks in entries:
+        digest.update(f"{name}:{dtype}:{tuple(shape)}:{'tied' if tied else ''};".encode())
+        if not tied:
+            for block in blocks():
+                data = block.detach().to("cpu", dtype).contiguous().reshape(-1).view(torch.uint8)
+                digest.update(memoryview(data.numpy()))
+    return "sha256:" + digest.hexdigest()
+
+
+def recorded_fingerprint(directory: Path) -> str | None:
+    """The base fingerprint the adapter of ``directory`` recorded (None: written before them)."""
+    return _adapter_metadata(directory).get("base_fingerprint")
 
 
 def check_base_fingerprint(model: nn.Module, directory: Path, base: str) -> None:
     """Refuse an adapter whose base weights (now loaded into ``model``) are not the ones it
     was trained on; an adapter without a recorded fingerprint (older) is not checked."""
-    recorded = _adapter_metadata(directory).get("base_fingerprint")
-    if recorded is None:
-        return
-    now = base_fingerprint(model)
+    recorded = recorded_fingerprint(directory)
+    if recorded is not None:
+        refuse_changed_base(directory, base, base_fingerprint(model), recorded)
+
+
+def refuse_changed_base(directory: Path, base: str | Path, now: str, recorded: str) -> None:
     if now != recorded:
         raise UsageError(f"{directory / ADAPTER}: its base {base} has changed since the adapter was trained "
                          f"(base weights {now[:19]}, recorded {recorded[:19]}); expected the checkpoint this "
                          f"adapter was trained on")
+
+
+def adapter_base(directory: Path) -> Path:
+    """The base checkpoint the adapter of ``directory`` names, refused where it is missing."""
+    base = read_adapter_base(directory)
+    if not base or not Path(base).exists():
+        raise UsageError(f"{directory / ADAPTER}: its base checkpoint {base or '(none recorded)'} is missing; "
+                         f"expected the checkpoint this adapter was trained on")
+    return Path(base)
+
+
+def check_adapter_names(file: Path, held: Iterable[str], model: nn.Module) -> None:
+    """Refuse an adapter file whose tensors (``held``) are not exactly the ones ``model``'s
+    config gives it (its adapters and task head)."""
+    expected, held = set(adapter_state(model, _trained_prefixes(model))), set(held)
+    if held != expected:
+        missing, extra = sorted(expected - held), sorted(held - expected)
+        raise UsageError(f"{file}: adapter tensors do not match the config (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}); expected the file written with this checkpoint's config.json")
 
 
 def load_adapter_tensors(model: nn.Module, directory: Path, device: Any = "cpu") -> None:
@@ -102,9 +141,33 @@ def load_adapter_tensors(model: nn.Module, directory: Path, device: Any = "cpu")
     refused unless they are exactly the ones this model's config gives it."""
     file = directory / ADAPTER
     tensors = safetensors.torch.load_file(str(file), device=str(device))
-    expected = set(adapter_state(model, _trained_prefixes(model)))
-    if set(tensors) != expected:
-        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        raise UsageError(f"{file}: adapter tensors do not match the config (missing {missing[:3]}, "
-                         f"unexpected {extra[:3]}); expected the file written with this checkpoint's config.json")
+    check_adapter_names(file, tensors, model)
     model.load_state_dict(tensors, strict=False)
+
+
+def base_names(model: nn.Module) -> list[str]:
+    """The names of ``model``'s base tensors, in the fingerprint's order: not adapters, not a task head."""
+    trained = _trained_prefixes(model)
+    return sorted(n for n in model.state_dict() if LORA_MARK not in n and not n.startswith(trained))
+
+
+class LowRankRows:
+    """The update ``scale * B_p A_p`` of one adapted weight, all its parts laid in their rows
+    (zero elsewhere), as a full (out, in) tensor indexed by a row slice and a column slice:
+    only the block asked for is computed, from the rank-r factors."""
+
+    def __init__(self, layer: LoRALinear, factors: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+        self.shape, self.scale, self.parts, self.factors = (layer.out_features, layer.in_features), layer.scale, \
+            layer.parts, factors  # part -> (A (r, in), B (rows, r))
+
+    def __getitem__(self, index: tuple[slice, slice]) -> torch.Tensor:
+        rows, cols = index
+        first, end = rows.start, rows.stop
+        a_any = next(iter(self.factors.values()))[0]
+        block = torch.zeros(end - first, len(range(*cols.indices(self.shape[1]))), dtype=a_any.dtype)
+        for name, (start, stop) in self.parts.items():
+            lo, hi = max(first, start), min(end, stop)
+            if lo < hi:
+                a, b = self.factors[name]
+                block[lo - first: hi - first] = self.scale * (b[lo - start: hi - start] @ a[:, cols])
+        return block

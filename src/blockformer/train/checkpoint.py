@@ -42,7 +42,7 @@ from ..run_config import RunConfig
 from ..stats import size_estimate
 from ..textformats import loads_json
 from ..tokenizers import load_tokenizer
-from .adapter import ADAPTER, HEAD, check_base_fingerprint, load_adapter_tensors, read_adapter_base, save_weights
+from .adapter import ADAPTER, HEAD, adapter_base, check_base_fingerprint, load_adapter_tensors, save_weights
 from .build import build_run_model
 
 CONFIG, TOKENIZER, STATE = "config.json", "tokenizer.json", "trainer_state.pt"
@@ -427,10 +427,7 @@ def match_weights(targets: dict[str, torch.Size], base: dict[str, torch.Size], b
 def _load_adapter(model: nn.Module, directory: Path, config: RunConfig, device: Any) -> None:
     """A LoRA checkpoint: the base weights from the checkpoint its adapter names (checked
     against the fingerprint the adapter recorded), then the adapter and head tensors."""
-    base = read_adapter_base(directory)
-    if not base or not Path(base).exists():
-        raise UsageError(f"{directory / ADAPTER}: its base checkpoint {base or '(none recorded)'} is missing; "
-                         f"expected the checkpoint this adapter was trained on")
+    base = adapter_base(directory)
     load_matching(model, base, config)
     check_base_fingerprint(model, directory, base)
     load_adapter_tensors(model, directory, device)

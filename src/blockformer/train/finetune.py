@@ -5,31 +5,39 @@ head, adapters, frozen parts) and copies in the weights of ``train.init_from``, 
 name and shape: the head is new where the task differs, and every tensor not carried over
 is named. A sharded run (built on the meta device, materialised shard by shard) does the
 same matching on shapes alone and then each rank reads only its own part of the base
-(``init_sharded``): loading it whole would put the whole base on every rank. A resume of a
-one-process checkpoint into a sharded layout reads its weights and moments in parts the
-same way (``resume_in_parts``). ``lr_scale``
-gives each parameter its share of ``train.lr``: layer-wise decay (Clark et al. 2020,
+(``init_sharded``): loading it whole would put the whole base on every rank. A LoRA
+checkpoint is composed in parts: each rank's block of its base, plus its block of each
+adapter's ``scale * B A``, the base checked against the adapter's fingerprint by one rank
+reading it a few rows at a time (``_read_adapted``). A resume of a one-process checkpoint
+into a sharded layout reads its weights and moments in parts the same way
+(``resume_in_parts``). ``lr_scale`` gives each parameter its share of ``train.lr``: layer-wise decay (Clark et al. 2020,
 ELECTRA; ``decay ** (depth from the top)``) and a separate head rate.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
 
 from ..errors import UsageError
 from ..models.heads import TaskModel
-from ..parallel.checkpoint import DCP_DIR, read_parts
+from ..nn.lora import LORA_MARK, LoRALinear
+from ..parallel.checkpoint import DCP_DIR, add_parts, read_parts
 from ..parallel.tensor import RowOrder
 from ..paths import WEIGHTS
 from ..run_config import RunConfig
-from .adapter import HEAD
+from .adapter import (ADAPTER, HEAD, LowRankRows, adapter_base, base_names, check_adapter_names, fingerprint_of,
+                      recorded_fingerprint, refuse_changed_base)
 from .build import build_run_model
-from .checkpoint import InitReport, check_base_arch, load_matching, match_weights, resolve_checkpoint
+from .checkpoint import InitReport, check_base_arch, load_matching, match_weights, read_config, resolve_checkpoint
 from .optim import param_groups
 
 _BLOCK = re.compile(r"(?:^|\.)(encoder|decoder)\.blocks\.(\d+)\.")
@@ -55,25 +63,137 @@ def init_from(model: nn.Module, cfg: RunConfig, log: Any = print) -> InitReport:
 
 
 def reads_in_parts(source: str | Path) -> bool:
-    """Whether checkpoint ``source`` holds its weights itself (``model.safetensors`` or ``dcp/``),
-    so that a sharded run can read them in parts; a LoRA checkpoint (an adapter over a base
-    elsewhere) is merged whole instead."""
+    """Whether a sharded run can read checkpoint ``source`` in parts: it holds its weights
+    itself (``model.safetensors`` or ``dcp/``), or it is a LoRA checkpoint whose base holds
+    ``model.safetensors`` and gives every base tensor (``_adapted``); else it is merged whole."""
     path = resolve_checkpoint(source)
-    return (path / WEIGHTS).is_file() or (path / DCP_DIR).is_dir()
+    return (path / WEIGHTS).is_file() or (path / DCP_DIR).is_dir() or _adapted(path) is not None
 
 
 def init_sharded(model: nn.Module, cfg: RunConfig, rows: RowOrder | None, log: Any = print) -> InitReport:
     """``init_from`` for this rank's shards of the materialised ``model`` (FSDP/TP DTensors, or
     a pipeline rank's stages): the one-process matching, on shapes, then each rank reads its
-    part of the base only (``parallel.checkpoint.read_parts``; a collective for a ``dcp/``)."""
+    part of the base only (``parallel.checkpoint.read_parts``; a collective for a ``dcp/``).
+    A LoRA checkpoint's merged weights are composed in parts the same way (``_read_adapted``)."""
     source = resolve_checkpoint(cfg.train.init_from)
     base_cfg = check_base_arch(source, cfg)
     base, aliases = _shapes(base_cfg)
     report, keys = match_weights(_shapes(cfg)[0], base, base_cfg, cfg, target_is_task=False)
-    read_parts(source, _held(model, keys, aliases), rows or RowOrder())
+    wanted, rows = _held(model, keys, aliases), rows or RowOrder()
+    adapted = _adapted(source)
+    if adapted is None:
+        read_parts(source, wanted, rows)
+    else:
+        _read_adapted(adapted, wanted, {name: keys[name] for name in wanted}, rows)
     if log is not None:
         log(report.describe(cfg.train.init_from))
     return report
+
+
+@dataclass
+class _Adapted:
+    """Where each tensor of a LoRA checkpoint, merged (``scale * B A`` folded into its base
+    weights), comes from, found on meta builds of it and of its base."""
+    directory: Path  # the LoRA checkpoint: adapter.safetensors holds its adapters and a task head
+    base: Path  # the checkpoint its adapter was trained on, with model.safetensors
+    from_base: dict[str, list[str]]  # its name -> the names the base's file may hold it under
+    stored: set[str]  # the names its adapter.safetensors holds
+    layers: dict[str, LoRALinear]  # an adapted weight's name -> its (meta) layer: parts, scale, factor names
+    fingerprinted: list[tuple[str, torch.dtype, torch.Size, bool]]  # base_fingerprint's entries, no values
+
+
+def _adapted(source: Path) -> _Adapted | None:
+    """``source`` read in parts as a LoRA checkpoint, or None where it is not one, its base
+    holds no ``model.safetensors`` (shards, or another adapter), or a base tensor of the LoRA
+    model is not in the base (its value would be that run's random draw): those merge whole."""
+    if not (source / ADAPTER).is_file():
+        return None
+    lora_cfg = read_config(source)
+    base = resolve_checkpoint(adapter_base(source))
+    if not (base / WEIGHTS).is_file():
+        return None
+    base_cfg = check_base_arch(base, lora_cfg)
+    with torch.device("meta"):
+        lora_model, base_model = build_run_model(lora_cfg), build_run_model(base_cfg)
+    shapes, aliases = _shapes_of(base_model)
+    tensors = lora_model.state_dict(keep_vars=True)
+    _, keys = match_weights({n: t.shape for n, t in tensors.items()}, shapes, base_cfg, lora_cfg,
+                            isinstance(lora_model, TaskModel))
+    names = base_names(lora_model)
+    if any(n not in keys for n in names):
+        return None
+    with safe_open(str(source / ADAPTER), framework="pt") as f:
+        stored = set(f.keys())
+    check_adapter_names(source / ADAPTER, stored, lora_model)
+    entries, seen = [], set()
+    for n in names:
+        t = tensors[n]
+        entries.append((n, t.dtype, t.shape, id(t) in seen))
+        if t.numel():
+            seen.add(id(t))
+    layers = {f"{prefix}.weight": m for prefix, m in lora_model.named_modules() if isinstance(m, LoRALinear)}
+    return _Adapted(source, base, {n: aliases[k] for n, k in keys.items()}, stored, layers, entries)
+
+
+def _read_adapted(adapted: _Adapted, wanted: dict[str, tuple[torch.Tensor, list[str]]], keys: dict[str, str],
+                  rows: RowOrder) -> None:
+    """This rank's part of a LoRA checkpoint's merged weights into ``wanted`` (name -> its
+    target, and the checkpoint's names for it; ``keys``: name -> the one it takes): its block
+    of the base from the base's file, its block of ``scale * B A`` added to an adapted weight
+    (from the rank-r factors), a task head from adapter.safetensors. The base is checked
+    against the adapter's fingerprint first, on rank 0 (a streamed read), told to all."""
+    _check_base_once(adapted)
+    stored = {n: v for n, v in wanted.items() if keys[n] in adapted.stored}
+    read_parts(adapted.directory, stored, rows, weights=ADAPTER)
+    read_parts(adapted.base, {n: (t, adapted.from_base[keys[n]]) for n, (t, _) in wanted.items() if n not in stored},
+               rows)
+    updates = {n: (t, _low_rank(adapted, keys[n])) for n, (t, _) in wanted.items() if keys[n] in adapted.layers}
+    add_parts(updates, rows)
+
+
+def _low_rank(adapted: _Adapted, weight: str) -> LowRankRows:
+    layer, prefix = adapted.layers[weight], weight[: -len("weight")]
+    with safe_open(str(adapted.directory / ADAPTER), framework="pt") as f:
+        factors = {p: (f.get_tensor(f"{prefix}lora_A.{p}"), f.get_tensor(f"{prefix}lora_B.{p}")) for p in layer.parts}
+    return LowRankRows(layer, factors)
+
+
+def _check_base_once(adapted: _Adapted) -> None:
+    """``check_base_fingerprint`` without the base in memory: rank 0 hashes the base's file a
+    few rows at a time in the LoRA model's names and dtypes, and every rank raises its verdict."""
+    recorded = recorded_fingerprint(adapted.directory)
+    if recorded is None:
+        return
+    verdict = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            refuse_changed_base(adapted.directory, adapted.base, _streamed_fingerprint(adapted), recorded)
+        except UsageError as e:
+            verdict = [str(e)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise UsageError(verdict[0])
+
+
+def _streamed_fingerprint(adapted: _Adapted, block_elements: int = 1 << 22) -> str:
+    file = adapted.base / WEIGHTS
+    with safe_open(str(file), framework="pt", backend="pread") as f:  # read, not mapped: no file pages stay resident
+        present = set(f.keys())
+
+        def blocks(name: str, shape: torch.Size):
+            key = next((k for k in adapted.from_base[name] if k in present), None)
+            if key is None:
+                raise UsageError(f"{file}: holds no {name}; expected the file written with its config.json")
+            if len(shape) == 0:
+                yield f.get_tensor(key)
+                return
+            whole, step = f.get_slice(key), max(1, block_elements // max(1, math.prod(shape[1:])))
+            for first in range(0, shape[0], step):
+                yield whole[first: min(first + step, shape[0])]  # safetensors refuses a slice past the end
+
+        return fingerprint_of((n, dtype, shape, tied, lambda n=n, shape=shape: blocks(n, shape))
+                              for n, dtype, shape, tied in adapted.fingerprinted)
 
 
 def resumes_in_parts(runtime: Any, checkpoint: Path | None, state: dict | None) -> bool:
@@ -124,7 +244,8 @@ def _shapes(cfg: RunConfig) -> tuple[dict[str, torch.Size], dict[str, list[str]]
 
 
 def _shapes_of(model: nn.Module) -> tuple[dict[str, torch.Size], dict[str, list[str]]]:
-    tensors = model.state_dict(keep_vars=True)
+    """Its tensors' shapes and tied names (``_shapes``); a LoRA model's as merged: no adapters."""
+    tensors = {n: t for n, t in model.state_dict(keep_vars=True).items() if LORA_MARK not in n}
     groups: dict[int, list[str]] = {}
     for name, t in tensors.items():
         groups.setdefault(id(t), []).append(name)

@@ -214,7 +214,7 @@ def _start(cfg: RunConfig, run_dir: Path, runtime: Any, *, resume, overwrite: bo
         torch.manual_seed(tc.seed)
     in_parts = resumes_in_parts(runtime, resume, state)  # each rank reads its part of it
     loads_whole = (not runtime.reads_own_shards(state) and not in_parts if resume is not None  # else its shards
-                   else bool(cfg.train.init_from) and not reads_in_parts(cfg.train.init_from))
+                   else bool(cfg.train.init_from) and runtime.parallel and not reads_in_parts(cfg.train.init_from))
     on_meta = meta_init_wanted(cfg, runtime, loads_whole)
     built = build_run(cfg, device, tokenizer_from=resume, log=log, meta=on_meta)
     cfg = built.config  # model.vocab_size now set

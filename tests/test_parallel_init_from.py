@@ -88,7 +88,7 @@ def _layouts_on_rank(rank: int, tmp: str, base: str, kind: str) -> None:
         loop.train(lm_config(tmp_path, "parallel.dp_shard=2", "train.consolidate=false", *UNTIED), base, log=quiet)
     base_dir = resolve_checkpoint(base)
     whole = (safetensors.torch.load_file(base_dir / "model.safetensors") if kind == "safetensors"
-             else load_checkpoint(base_dir).model.state_dict() if kind == "lora"  # its adapters merged whole
+             else load_checkpoint(base_dir).model.state_dict() if kind.startswith("lora")  # its adapters merged whole
              else dcp_weights(base_dir, read_config(base_dir)))  # for the check only
     read: list[int] = []
     _counting_reads(read)
@@ -108,7 +108,8 @@ def _layouts_on_rank(rank: int, tmp: str, base: str, kind: str) -> None:
             full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
             if not torch.equal(par.rows.to_model(name, full), whole[name]):
                 mismatched.append(name)
-        results[layout] = {"read": sum(read), "local": local, "total": sum(t.numel() for t in whole.values()),
+        base_read = sum(read) - (sum(hashed) if kind == "lora-dcp" else 0)  # DCP's plans for the hash counted too
+        results[layout] = {"read": base_read, "local": local, "total": sum(t.numel() for t in whole.values()),
                            "mismatched": mismatched, "loaded": len(report.loaded), "new": report.new,
                            "stage": sorted(model.state_dict()), "hashed": sum(hashed)}
     write_json(tmp_path / f"{kind}-rank{rank}.json", results)
@@ -159,24 +160,35 @@ def test_each_rank_reads_only_its_chunks_of_a_dcp_base_and_holds_its_weights(tmp
     _check_layouts(tmp_path, "dcp")
 
 
-def _lora_checkpoint(tmp_path: Path, *overrides: str) -> Path:
-    """A one-process LoRA run over a one-process base: adapters on every projection (a gated
-    FFN's gate and up are two parts of one weight), trained until ``B A`` is far from zero."""
+def _sharded_base(rank: int, tmp: str) -> None:
+    loop.train(lm_config(Path(tmp), "parallel.dp_shard=2", "train.consolidate=false", *UNTIED), Path(tmp) / "base",
+               log=quiet)
+
+
+def _lora_checkpoint(tmp_path: Path, *overrides: str, base_in: str = "safetensors") -> Path:
+    """A one-process LoRA run over a base (one process's ``model.safetensors``, or a sharded
+    run's ``dcp/`` alone): adapters on every projection (a gated FFN's gate and up are two parts
+    of one weight), trained until ``B A`` is far from zero."""
     base = tmp_path / "base"
-    loop.train(lm_config(tmp_path, *UNTIED, *overrides), base, log=quiet)
+    if base_in == "dcp":
+        run_ranks(2, _sharded_base, str(tmp_path))
+    else:
+        loop.train(lm_config(tmp_path, *UNTIED, *overrides), base, log=quiet)
     return loop.train(lm_config(tmp_path, *UNTIED, *overrides, f"train.init_from={base}", "lora.rank=2",
                                 "lora.targets=qkv,out,gate,up,down", "lora.alpha=8", "train.lr=3e-2"),
                       tmp_path / "lora", log=quiet).checkpoint
 
 
-def test_each_rank_composes_only_its_shards_of_a_lora_checkpoint_merged(tmp_path):
-    lora = _lora_checkpoint(tmp_path)
-    merged, base = load_checkpoint(lora).model.state_dict(), safetensors.torch.load_file(resolve_checkpoint(tmp_path / "base") / WEIGHTS)
+@pytest.mark.parametrize("base_in", ["safetensors", "dcp"])
+def test_each_rank_composes_only_its_shards_of_a_lora_checkpoint_merged(tmp_path, base_in):
+    lora = _lora_checkpoint(tmp_path, base_in=base_in)
+    merged, base = load_checkpoint(lora).model.state_dict(), load_checkpoint(tmp_path / "base").model.state_dict()
     moved = [n for n in base if n.endswith((".qkv.weight", ".out.weight", ".up.weight", ".down.weight"))]
     assert moved and all((merged[n] - base[n]).abs().max() > 1e-3 for n in moved)  # the adapters count
-    run_ranks(2, _layouts_on_rank, str(tmp_path), str(lora), "lora")
-    _check_layouts(tmp_path, "lora")  # each rank's shards equal the merged weights; it read its block of the base
-    ranks = [read_json(tmp_path / f"lora-rank{r}.json") for r in (0, 1)]
+    kind = "lora" if base_in == "safetensors" else "lora-dcp"
+    run_ranks(2, _layouts_on_rank, str(tmp_path), str(lora), kind)
+    _check_layouts(tmp_path, kind)  # each rank's shards equal the merged weights; it read its block of the base
+    ranks = [read_json(tmp_path / f"{kind}-rank{r}.json") for r in (0, 1)]
     for layout in LAYOUTS:  # the base checked against the adapter's fingerprint once, by rank 0, a block at a time
         assert ranks[0][layout]["hashed"] == ranks[0][layout]["total"] and ranks[1][layout]["hashed"] == 0, layout
 

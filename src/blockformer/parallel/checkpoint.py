@@ -290,6 +290,20 @@ def dcp_weights(checkpoint: Path, cfg: RunConfig) -> dict[str, torch.Tensor]:
     return state
 
 
+def dcp_reader(checkpoint: Path) -> tuple[set[str], Callable[[str], torch.Tensor]]:
+    """The weight names ``checkpoint``'s ``dcp/`` holds, and a reader of one of them whole, in
+    the model's row order, by this process alone (no collective): one tensor in memory at a time."""
+    sizes = {k[len("model."):]: m for k, m in read_metadata(checkpoint / DCP_DIR).state_dict_metadata.items()
+             if k.startswith("model.") and hasattr(m, "size")}
+
+    def read(key: str) -> torch.Tensor:
+        t = torch.empty(sizes[key].size, dtype=sizes[key].properties.dtype)
+        _load_here({"model": {key: t}}, checkpoint / DCP_DIR)
+        return t
+
+    return set(sizes), read
+
+
 def full_optimizer_state(model: nn.Module, scratch: torch.optim.Optimizer, checkpoint: Path,
                          state: dict[str, Any]) -> dict:
     """The optimizer state of ``checkpoint`` as a full state dict keyed by parameter name, in the

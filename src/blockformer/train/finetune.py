@@ -30,7 +30,7 @@ from torch import nn
 from ..errors import UsageError
 from ..models.heads import TaskModel
 from ..nn.lora import LORA_MARK, LoRALinear
-from ..parallel.checkpoint import DCP_DIR, add_parts, read_parts
+from ..parallel.checkpoint import DCP_DIR, add_parts, dcp_reader, read_parts
 from ..parallel.tensor import RowOrder
 from ..paths import WEIGHTS
 from ..run_config import RunConfig
@@ -64,8 +64,8 @@ def init_from(model: nn.Module, cfg: RunConfig, log: Any = print) -> InitReport:
 
 def reads_in_parts(source: str | Path) -> bool:
     """Whether a sharded run can read checkpoint ``source`` in parts: it holds its weights
-    itself (``model.safetensors`` or ``dcp/``), or it is a LoRA checkpoint whose base holds
-    ``model.safetensors`` and gives every base tensor (``_adapted``); else it is merged whole."""
+    itself (``model.safetensors`` or ``dcp/``), or it is a LoRA checkpoint whose base does and
+    gives every base tensor (``_adapted``); else it is merged whole."""
     path = resolve_checkpoint(source)
     return (path / WEIGHTS).is_file() or (path / DCP_DIR).is_dir() or _adapted(path) is not None
 
@@ -95,7 +95,7 @@ class _Adapted:
     """Where each tensor of a LoRA checkpoint, merged (``scale * B A`` folded into its base
     weights), comes from, found on meta builds of it and of its base."""
     directory: Path  # the LoRA checkpoint: adapter.safetensors holds its adapters and a task head
-    base: Path  # the checkpoint its adapter was trained on, with model.safetensors
+    base: Path  # the checkpoint its adapter was trained on, with model.safetensors or dcp/
     from_base: dict[str, list[str]]  # its name -> the names the base's file may hold it under
     stored: set[str]  # the names its adapter.safetensors holds
     layers: dict[str, LoRALinear]  # an adapted weight's name -> its (meta) layer: parts, scale, factor names
@@ -104,13 +104,14 @@ class _Adapted:
 
 def _adapted(source: Path) -> _Adapted | None:
     """``source`` read in parts as a LoRA checkpoint, or None where it is not one, its base
-    holds no ``model.safetensors`` (shards, or another adapter), or a base tensor of the LoRA
-    model is not in the base (its value would be that run's random draw): those merge whole."""
+    holds no weights of its own (no ``model.safetensors``, no ``dcp/``: another adapter), or a
+    base tensor of the LoRA model is not in the base (its value would be that run's random
+    draw): those merge whole."""
     if not (source / ADAPTER).is_file():
         return None
     lora_cfg = read_config(source)
     base = resolve_checkpoint(adapter_base(source))
-    if not (base / WEIGHTS).is_file():
+    if not (base / WEIGHTS).is_file() and not (base / DCP_DIR).is_dir():
         return None
     base_cfg = check_base_arch(base, lora_cfg)
     with torch.device("meta"):
@@ -177,23 +178,33 @@ def _check_base_once(adapted: _Adapted) -> None:
 
 
 def _streamed_fingerprint(adapted: _Adapted, block_elements: int = 1 << 22) -> str:
+    """``base_fingerprint`` of the LoRA model, its base values read from the base's file a few
+    rows at a time (``model.safetensors``, read, not mapped: no file pages stay resident), or
+    from its ``dcp/`` one tensor at a time."""
     file = adapted.base / WEIGHTS
-    with safe_open(str(file), framework="pt", backend="pread") as f:  # read, not mapped: no file pages stay resident
-        present = set(f.keys())
+    if file.is_file():
+        with safe_open(str(file), framework="pt", backend="pread") as f:
+            return _fingerprint_from(adapted, file, set(f.keys()), lambda key, shape: _row_blocks(
+                f.get_slice(key), shape, block_elements) if len(shape) else [f.get_tensor(key)])
+    present, read = dcp_reader(adapted.base)
+    return _fingerprint_from(adapted, adapted.base / DCP_DIR, present, lambda key, shape: [read(key)])
 
-        def blocks(name: str, shape: torch.Size):
-            key = next((k for k in adapted.from_base[name] if k in present), None)
-            if key is None:
-                raise UsageError(f"{file}: holds no {name}; expected the file written with its config.json")
-            if len(shape) == 0:
-                yield f.get_tensor(key)
-                return
-            whole, step = f.get_slice(key), max(1, block_elements // max(1, math.prod(shape[1:])))
-            for first in range(0, shape[0], step):
-                yield whole[first: min(first + step, shape[0])]  # safetensors refuses a slice past the end
 
-        return fingerprint_of((n, dtype, shape, tied, lambda n=n, shape=shape: blocks(n, shape))
-                              for n, dtype, shape, tied in adapted.fingerprinted)
+def _row_blocks(whole: Any, shape: torch.Size, block_elements: int):
+    step = max(1, block_elements // max(1, math.prod(shape[1:])))
+    for first in range(0, shape[0], step):
+        yield whole[first: min(first + step, shape[0])]  # safetensors' pread backend refuses a slice past the end
+
+
+def _fingerprint_from(adapted: _Adapted, where: Path, present: set[str], blocks: Callable) -> str:
+    def values(name: str, shape: torch.Size):
+        key = next((k for k in adapted.from_base[name] if k in present), None)
+        if key is None:
+            raise UsageError(f"{where}: holds no {name}; expected the weights written with its config.json")
+        yield from blocks(key, shape)
+
+    return fingerprint_of((n, dtype, shape, tied, lambda n=n, shape=shape: values(n, shape))
+                          for n, dtype, shape, tied in adapted.fingerprinted)
 
 
 def resumes_in_parts(runtime: Any, checkpoint: Path | None, state: dict | None) -> bool:

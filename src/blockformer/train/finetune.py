@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -165,16 +166,24 @@ def _check_base_once(adapted: _Adapted) -> None:
     recorded = recorded_fingerprint(adapted.directory)
     if recorded is None:
         return
-    verdict = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    verdict: list[str | None] = [None]
+    group = None
+    if dist.is_initialized():  # the others wait while rank 0 reads it all: a wait that grows with the base
+        size = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape, _ in adapted.fingerprinted)
+        group = dist.new_group(timeout=timedelta(seconds=_HASH_WAIT_S + size / _HASH_BYTES_PER_S))
+    if group is None or dist.get_rank() == 0:
         try:
             refuse_changed_base(adapted.directory, adapted.base, _streamed_fingerprint(adapted), recorded)
-        except UsageError as e:
+        except (UsageError, OSError) as e:
             verdict = [str(e)]
-    if dist.is_initialized():
-        dist.broadcast_object_list(verdict, src=0)
+    if group is not None:
+        dist.broadcast_object_list(verdict, src=0, group=group)
+        dist.destroy_process_group(group)
     if verdict[0] is not None:
         raise UsageError(verdict[0])
+
+
+_HASH_WAIT_S, _HASH_BYTES_PER_S = 300.0, 50e6  # slack, and a slow disk's read rate (sha256 runs ~20x faster)
 
 
 def _streamed_fingerprint(adapted: _Adapted, block_elements: int = 1 << 22) -> str:

@@ -101,7 +101,7 @@ def _layouts_on_rank(rank: int, tmp: str, base: str, kind: str) -> None:
         model, _ = parallelize(build_run_model(cfg, seed=cfg.train.seed + 1, meta=True), cfg, par)
         read.clear()
         hashed.clear()
-        report = finetune.init_sharded(model, cfg, par.rows, log=None)
+        report = finetune.init_sharded(model, cfg, finetune.parts_of(cfg.train.init_from), par.rows, log=None)
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.state_dict().values())
         mismatched = []
         for name, p in model.state_dict().items():
@@ -198,7 +198,7 @@ def _refused_on_rank(rank: int, tmp: str, lora: str) -> None:
     par = start(cfg, torch.device("cpu"))
     model, _ = parallelize(build_run_model(cfg, meta=True), cfg, par)
     try:
-        finetune.init_sharded(model, cfg, par.rows, log=None)
+        finetune.init_sharded(model, cfg, finetune.parts_of(cfg.train.init_from), par.rows, log=None)
     except UsageError as e:
         write_json(Path(tmp) / f"refused-rank{rank}.json", str(e))
 
@@ -232,7 +232,7 @@ def _train_from_base(rank: int, tmp: str, base: str) -> None:
 def test_fsdp_training_from_a_base_read_in_parts_has_the_losses_of_loading_it_whole(tmp_path, kind):
     if kind == "lora":  # a tied table: the adapters' base read in parts under its tied names
         base = _lora_checkpoint(tmp_path, "model.tie_embeddings=true")
-        assert finetune.reads_in_parts(base)
+        assert finetune.parts_of(base).adapted is not None
     else:
         base = tmp_path / "base"
         loop.train(lm_config(tmp_path), base, log=quiet)
@@ -246,9 +246,9 @@ def test_a_tied_lora_checkpoints_base_streamed_from_its_file_has_the_recorded_fi
     adapted = finetune._adapted(lora)
     assert any(tied for *_, tied in adapted.fingerprinted)  # the head's name: the table's, hashed once
     assert finetune._streamed_fingerprint(adapted, block_elements=100) == recorded_fingerprint(lora)
-    assert finetune.reads_in_parts(lora)
+    assert finetune.parts_of(lora).adapted is not None
     (resolve_checkpoint(tmp_path / "base") / WEIGHTS).unlink()  # a base without model.safetensors: merged whole
-    assert not finetune.reads_in_parts(lora)
+    assert finetune.parts_of(lora) is None
 
 
 def _one_process_moments(checkpoint: Path) -> dict[str, dict[str, torch.Tensor]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 import safetensors
 import safetensors.torch
@@ -71,15 +71,28 @@ def base_fingerprint(model: nn.Module) -> str:
     cached = getattr(model, _CACHE, None)
     if cached is not None and cached[0] == identity:
         return cached[1]
-    entries, seen = [], set()
-    for name, t in base:
-        key = (t.data_ptr(), t.dtype, tuple(t.shape))
-        entries.append((name, t.dtype, t.shape, key in seen, lambda t=t: [t]))
-        if t.numel():
-            seen.add(key)
-    fingerprint = fingerprint_of(entries)
+    fingerprint = fingerprint_of((n, t.dtype, t.shape, tied, lambda t=t: [t])
+                                 for n, t, tied in marked_ties(base, _same_storage))
     setattr(model, _CACHE, (identity, fingerprint))
     return fingerprint
+
+
+def marked_ties(named: Iterable[tuple[str, torch.Tensor]], same: Callable[[torch.Tensor], Hashable]
+                ) -> list[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, whether an earlier name holds the same tensor) for each of ``named``, in
+    order: the fingerprint hashes a tied table once. ``same`` keys a tensor: its storage for
+    real tensors, ``id`` for a meta build's (no storage; a tied table is one object)."""
+    seen, marked = set(), []
+    for name, t in named:
+        key = same(t)
+        marked.append((name, t, key in seen))
+        if t.numel():
+            seen.add(key)
+    return marked
+
+
+def _same_storage(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.dtype, tuple(t.shape)  # state_dict() detaches: a tied table is two objects
 
 
 def fingerprint_of(entries: Iterable[tuple[str, torch.dtype, torch.Size, bool, Callable[[], Iterable[torch.Tensor]]]]

@@ -36,7 +36,7 @@ from ..parallel.tensor import RowOrder
 from ..paths import WEIGHTS
 from ..run_config import RunConfig
 from .adapter import (ADAPTER, HEAD, LowRankRows, adapter_base, base_names, check_adapter_names, fingerprint_of,
-                      recorded_fingerprint, refuse_changed_base)
+                      marked_ties, recorded_fingerprint, refuse_changed_base)
 from .build import build_run_model
 from .checkpoint import InitReport, check_base_arch, load_matching, match_weights, read_config, resolve_checkpoint
 from .optim import param_groups
@@ -63,29 +63,39 @@ def init_from(model: nn.Module, cfg: RunConfig, log: Any = print) -> InitReport:
     return report
 
 
-def reads_in_parts(source: str | Path) -> bool:
-    """Whether a sharded run can read checkpoint ``source`` in parts: it holds its weights
-    itself (``model.safetensors`` or ``dcp/``), or it is a LoRA checkpoint whose base does and
-    gives every base tensor (``_adapted``); else it is merged whole."""
+@dataclass
+class InitParts:
+    """How a sharded run reads an ``init_from`` checkpoint in parts (``parts_of``)."""
+    source: Path  # the checkpoint directory, resolved
+    adapted: _Adapted | None  # a LoRA checkpoint: its base and its adapters, composed
+
+
+def parts_of(source: str | Path) -> InitParts | None:
+    """How a sharded run can read checkpoint ``source`` in parts, or None where it is merged
+    whole: it holds its weights itself (``model.safetensors`` or ``dcp/``), or it is a LoRA
+    checkpoint whose base does and gives every base tensor (``_adapted``)."""
     path = resolve_checkpoint(source)
-    return (path / WEIGHTS).is_file() or (path / DCP_DIR).is_dir() or _adapted(path) is not None
+    adapted = _adapted(path)
+    if adapted is None and not (path / WEIGHTS).is_file() and not (path / DCP_DIR).is_dir():
+        return None
+    return InitParts(path, adapted)
 
 
-def init_sharded(model: nn.Module, cfg: RunConfig, rows: RowOrder | None, log: Any = print) -> InitReport:
+def init_sharded(model: nn.Module, cfg: RunConfig, parts: InitParts, rows: RowOrder | None, log: Any = print
+                 ) -> InitReport:
     """``init_from`` for this rank's shards of the materialised ``model`` (FSDP/TP DTensors, or
-    a pipeline rank's stages): the one-process matching, on shapes, then each rank reads its
-    part of the base only (``parallel.checkpoint.read_parts``; a collective for a ``dcp/``).
-    A LoRA checkpoint's merged weights are composed in parts the same way (``_read_adapted``)."""
-    source = resolve_checkpoint(cfg.train.init_from)
-    base_cfg = check_base_arch(source, cfg)
+    a pipeline rank's stages) from ``parts`` (``parts_of`` of ``cfg.train.init_from``): the
+    one-process matching, on shapes, then each rank reads its part of the base only
+    (``parallel.checkpoint.read_parts``; a collective for a ``dcp/``). A LoRA checkpoint's
+    merged weights are composed in parts the same way (``_read_adapted``)."""
+    base_cfg = check_base_arch(parts.source, cfg)
     base, aliases = _shapes(base_cfg)
     report, keys = match_weights(_shapes(cfg)[0], base, base_cfg, cfg, target_is_task=False)
     wanted, rows = _held(model, keys, aliases), rows or RowOrder()
-    adapted = _adapted(source)
-    if adapted is None:
-        read_parts(source, wanted, rows)
+    if parts.adapted is None:
+        read_parts(parts.source, wanted, rows)
     else:
-        _read_adapted(adapted, wanted, {name: keys[name] for name in wanted}, rows)
+        _read_adapted(parts.adapted, wanted, {name: keys[name] for name in wanted}, rows)
     if log is not None:
         log(report.describe(cfg.train.init_from))
     return report
@@ -127,12 +137,7 @@ def _adapted(source: Path) -> _Adapted | None:
     with safe_open(str(source / ADAPTER), framework="pt") as f:
         stored = set(f.keys())
     check_adapter_names(source / ADAPTER, stored, lora_model)
-    entries, seen = [], set()
-    for n in names:
-        t = tensors[n]
-        entries.append((n, t.dtype, t.shape, id(t) in seen))
-        if t.numel():
-            seen.add(id(t))
+    entries = [(n, t.dtype, t.shape, tied) for n, t, tied in marked_ties(((n, tensors[n]) for n in names), id)]
     layers = {f"{prefix}.weight": m for prefix, m in lora_model.named_modules() if isinstance(m, LoRALinear)}
     return _Adapted(source, base, {n: aliases[k] for n, k in keys.items()}, stored, layers, entries)
 

@@ -58,7 +58,7 @@ from .checkpoint import (
     step_dir_name,
 )
 from .compile import compile_loss, resolve_compile
-from .finetune import init_sharded, lr_scale, reads_in_parts, resume_in_parts, resumes_in_parts
+from .finetune import init_sharded, lr_scale, parts_of, resume_in_parts, resumes_in_parts
 from .finite import diverged_message, finite_weights, restore_finite
 from .metrics import perplexity, plot_losses
 from .optim import build_optimizer, kernel_kept
@@ -213,8 +213,10 @@ def _start(cfg: RunConfig, run_dir: Path, runtime: Any, *, resume, overwrite: bo
     else:
         torch.manual_seed(tc.seed)
     in_parts = resumes_in_parts(runtime, resume, state)  # each rank reads its part of it
+    init_parts = (parts_of(cfg.train.init_from) if resume is None and cfg.train.init_from and runtime.parallel
+                  else None)
     loads_whole = (not runtime.reads_own_shards(state) and not in_parts if resume is not None  # else its shards
-                   else bool(cfg.train.init_from) and runtime.parallel and not reads_in_parts(cfg.train.init_from))
+                   else bool(cfg.train.init_from) and runtime.parallel and init_parts is None)
     on_meta = meta_init_wanted(cfg, runtime, loads_whole)
     built = build_run(cfg, device, tokenizer_from=resume, log=log, meta=on_meta)
     cfg = built.config  # model.vocab_size now set
@@ -222,7 +224,7 @@ def _start(cfg: RunConfig, run_dir: Path, runtime: Any, *, resume, overwrite: bo
     model, fwd_model = parallel.parallelize(built.model, cfg, runtime, tc)  # model: this rank's parameters
     rows = getattr(runtime, "rows", None)
     if on_meta and resume is None and cfg.train.init_from:  # each rank reads its part of the base
-        init_sharded(model, cfg, rows, log)
+        init_sharded(model, cfg, init_parts, rows, log)
     elif on_meta and in_parts:  # its part of the weights now, of the moments with the optimizer
         full_optim = resume_in_parts(model, cfg, resume, state, rows)
     optimizer = build_optimizer(model, tc, lr_scale(model, cfg))

@@ -1,12 +1,13 @@
 """Int8 weight-only quantization for decoding: error bounds, and the same greedy tokens."""
 
 import importlib
+import platform
 
 import pytest
 import torch
 from torch import nn
 
-from blockformer import TransformerConfig, build_model
+from blockformer import TransformerConfig, build_model, native
 from blockformer.generate import generate
 from blockformer.kernels import NATIVE_QUANTIZED_ROWS
 from blockformer.generate.quantize import KERNEL_MAX_ROWS, Int4Linear, Int8Linear, prepare_for_decoding, quantize
@@ -115,6 +116,41 @@ def test_decode_rows_in_fp32_go_through_the_c_kernels_and_equal_the_dequantized_
         torch.set_num_threads(before)
     # every call up to the limit took the C kernel, on each thread; past it, the dense path
     assert calls == [(q.out_features, threads)] * 2 * (len(ROWS) - 1)
+
+
+@pytest.mark.parametrize("cap,flags", [("default", []), ("avx2", ["-mavx2", "-mfma"])])  # plain C; intrinsics
+def test_each_build_of_the_c_kernels_equals_the_dequantized_product(cap, flags, monkeypatch):
+    """The kernels as built for a CPU without AVX2 (the plain C bodies) and for one with it: each
+    reads the int4 codes in pack_int4's order and the int8 weights row by row."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the instruction-set flags are x86's")
+    builds = (native.load, QUANTIZE._int8_matmul, QUANTIZE._int4_matmul)
+    torch.manual_seed(0)
+    int8, int4 = Int8Linear(nn.Linear(200, 77)), Int4Linear(nn.Linear(192, 50), group_size=64)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
+    for build in builds:
+        build.cache_clear()
+    try:
+        assert native.arch_flags() == flags
+        for rows in (1, 3, 6):  # one block of rows, a partial one, and past four
+            x = torch.randn(rows, 200)
+            torch.testing.assert_close(QUANTIZE.int8_matmul(x, int8.weight, int8.scales),
+                                       x @ int8.dequantized(torch.float32).T, atol=1e-5, rtol=1e-5)
+            x = torch.randn(rows, 192)
+            torch.testing.assert_close(QUANTIZE.int4_matmul(x, int4.codes, int4.scales, int4.zeros, 64),
+                                       x @ int4.dequantized(torch.float32).T, atol=1e-4, rtol=1e-4)
+        assert QUANTIZE._int8_matmul() is not None and QUANTIZE._int4_matmul() is not None  # built, not torch's
+    finally:
+        monkeypatch.undo()
+        for build in builds:  # the next test builds for this machine again
+            build.cache_clear()
+
+
+def test_int4_codes_hold_inputs_j_and_8_plus_j_of_each_run_of_16_in_one_byte():
+    q = torch.arange(32, dtype=torch.uint8).remainder(16).reshape(1, 32)  # codes 0..15, twice
+    codes = QUANTIZE.pack_int4(q)
+    assert codes.tolist() == [[j | (8 + j) << 4 for j in range(8)] * 2]
+    assert torch.equal(QUANTIZE.unpack_int4(codes), q)
 
 
 def test_a_compiled_step_calls_the_c_kernels_as_custom_ops_and_equals_the_dequantized_product(monkeypatch):

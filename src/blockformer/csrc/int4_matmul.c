@@ -1,11 +1,14 @@
-/* A weight-only int4 matmul at a decode step's (or a short prompt's) few rows. Weights: codes q in 0..15, two per
- * byte (low nibble: even input, high: odd), W[o, k] = (q - 8) * scale[o, g] + zero[o, g] for
- * k in group g of G inputs. Per group the codes are summed against the input first:
+/* A weight-only int4 matmul at a decode step's (or a short prompt's) few rows. Weights: codes q
+ * in 0..15, two per byte: in each run of 16 inputs, byte j holds input j in its low nibble and
+ * input 8 + j in its high one (generate/quantize.py pack_int4), so 8 bytes widen to two vectors
+ * of 8 floats in input order with one shuffle, a mask and a shift. W[o, k] = (q - 8) *
+ * scale[o, g] + zero[o, g] for k in group g of G inputs. Per group the codes are summed against
+ * the input first:
  *     y[r, o] = sum_g scale[o, g] * (sum_{k in g} x[r, k] q[o, k]) + (zero[o, g] - 8 scale[o, g]) sx[r, g]
  * with sx[r, g] the group's sum of x. Each code byte is read once for all the rows: an eighth
- * of the fp32 weight's bytes. With AVX2 and FMA, 16 code bytes become 32 floats in registers
- * (nibbles split, interleaved back into input order, widened); elsewhere plain C. Built at
- * first use by blockformer.native with the machine's C compiler (and OpenMP where it has it).
+ * of the fp32 weight's bytes. With AVX2 and FMA, 16 code bytes become 32 floats in registers;
+ * elsewhere plain C. Built at first use by blockformer.native with the machine's C compiler
+ * (and OpenMP where it has it).
  */
 #include "rows.h"
 
@@ -20,7 +23,12 @@ static void group_sums(const float *x, float *sx, int64_t rows, int64_t K, int64
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 widen(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+/* the 16 inputs whose codes are the 8 bytes at c: the low nibbles (inputs 0..7), the high ones (8..15) */
+static inline void widen(const uint8_t *c, __m256 *low, __m256 *high) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+    *low = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    *high = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
 
 /* G is a multiple of 32: a group is a whole number of 16-byte loads */
 #define ROWS(R)                                                                                    \
@@ -28,9 +36,9 @@ static inline __m256 widen(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvt
                          const float *zeros, float *y, int64_t o0, int64_t o1, int64_t K, int64_t G, \
                          int64_t N) {                                                              \
         const int64_t groups = K / G;                                                              \
-        const __m128i low4 = _mm_set1_epi8(15);                                                    \
         for (int64_t o = o0; o < o1; o++) {                                                        \
             const uint8_t *co = codes + o * (K / 2);                                               \
+            prefetch_ahead(co, K / 2);                                                             \
             __m256 total[R];                                                                       \
             float offset[R];                                                                       \
             for (int r = 0; r < R; r++) total[r] = _mm256_setzero_ps(), offset[r] = 0;             \
@@ -38,12 +46,9 @@ static inline __m256 widen(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvt
                 __m256 a[R], b[R];                                                                 \
                 for (int r = 0; r < R; r++) a[r] = b[r] = _mm256_setzero_ps();                     \
                 for (int64_t k = g * G; k < (g + 1) * G; k += 32) {                                \
-                    const __m128i q = _mm_loadu_si128((const __m128i *)(co + k / 2));             \
-                    const __m128i lo = _mm_and_si128(q, low4);                                     \
-                    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);                  \
-                    const __m128i w0 = _mm_unpacklo_epi8(lo, hi), w1 = _mm_unpackhi_epi8(lo, hi);  \
-                    const __m256 f0 = widen(w0), f1 = widen(_mm_srli_si128(w0, 8));                \
-                    const __m256 f2 = widen(w1), f3 = widen(_mm_srli_si128(w1, 8));                \
+                    __m256 f0, f1, f2, f3;                                                         \
+                    widen(co + k / 2, &f0, &f1);                                                   \
+                    widen(co + k / 2 + 8, &f2, &f3);                                               \
                     for (int r = 0; r < R; r++) {                                                  \
                         const float *xr = x + r * K + k;                                           \
                         a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), f0, a[r]);                    \
@@ -74,7 +79,8 @@ static inline __m256 widen(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvt
                 float acc[R] = {0};                                                                \
                 for (int64_t j = g * G / 2; j < (g + 1) * G / 2; j++) {                            \
                     const float lo = (float)(co[j] & 15), hi = (float)(co[j] >> 4);                \
-                    for (int r = 0; r < R; r++) acc[r] += x[r * K + 2 * j] * lo + x[r * K + 2 * j + 1] * hi; \
+                    const int64_t k = j / 8 * 16 + j % 8; /* the low nibble's input; the high's is k + 8 */ \
+                    for (int r = 0; r < R; r++) acc[r] += x[r * K + k] * lo + x[r * K + k + 8] * hi; \
                 }                                                                                  \
                 const float s = scales[o * groups + g], z = zeros[o * groups + g];                 \
                 for (int r = 0; r < R; r++) total[r] += s * acc[r] + (z - 8.0f * s) * sx[r * groups + g]; \

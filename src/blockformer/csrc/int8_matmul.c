@@ -18,6 +18,7 @@ static inline __m256 widen(const int8_t *w) {
         const int64_t body = K - K % 16;                                                   \
         for (int64_t o = o0; o < o1; o++) {                                                \
             const int8_t *wo = w + o * K;                                                  \
+            prefetch_ahead(wo, K);                                                         \
             __m256 a[R], b[R];                                                             \
             for (int r = 0; r < R; r++) a[r] = b[r] = _mm256_setzero_ps();                 \
             for (int64_t k = 0; k < body; k += 16) {                                       \

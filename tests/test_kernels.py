@@ -166,7 +166,7 @@ def test_dropout_follows_the_choice(monkeypatch, cheap):
 
 @pytest.mark.parametrize("features, bf16, fp32", [
     ({"avx512": True, "avx512_bf16": True}, True, True),
-    ({"avx512": True, "amx": True}, True, True),
+    ({"avx512": True, "amx": True}, True, False),  # fp32 packed was slower than F.linear on AMX
     ({"amx": True}, True, False),
     ({"avx512": True}, False, True),
     ({}, False, False),  # AVX2 alone: not measured, F.linear
@@ -176,6 +176,17 @@ def test_which_dtypes_pack_on_which_cpu(monkeypatch, features, bf16, fp32):
     assert kernels.packs_on_this_cpu(BF16) is bf16
     assert kernels.packs_on_this_cpu(FP32) is fp32
     assert kernels.packs_on_this_cpu(torch.float16) is False
+
+
+@pytest.mark.parametrize("features, streams", [
+    ({}, True),  # AVX2 alone: the C kernel, twice torch.mm's pace there
+    ({"avx512": True}, False),  # packed for oneDNN instead
+    ({"avx512": True, "amx": True}, False),  # neither: F.linear streamed faster than both
+])
+def test_which_cpus_stream_fp32_decode_matmuls_through_the_c_kernel(monkeypatch, features, streams):
+    _cpu(monkeypatch, **features)
+    assert kernels.streams_decode_matmuls(FP32) is streams
+    assert kernels.streams_decode_matmuls(BF16) is False
 
 
 def test_can_pack_follows_the_choice(monkeypatch):

@@ -14,6 +14,7 @@ from blockformer.generate.quantize import Int8Linear
 
 DTYPES = [d for d in (torch.float32, torch.bfloat16) if packed_module.can_pack(d)]
 needs_packing = pytest.mark.skipif(not DTYPES, reason="this torch/CPU does not pack linear weights (see can_pack)")
+PACKS = {torch.float32: "fp32", torch.bfloat16: "bf16"}[DTYPES[0]] if DTYPES else None  # a precision that packs here
 
 
 @needs_packing
@@ -58,18 +59,18 @@ def test_a_packed_decoder_generates_the_same_tokens(dtype):
 
 @needs_packing
 def test_a_compiled_step_refuses_a_packed_model():
-    model = pack_linears(_decoder())
+    model = pack_linears(_decoder().to(DTYPES[0]))
     with pytest.raises(ValueError, match="packed for eager CPU decoding"):
         generate(model, torch.tensor([[1, 2, 3]]), 4, temperature=0, compile=True)
 
 
 @needs_packing
 def test_prepare_for_decoding_packs_only_unquantized_models():
-    assert any(isinstance(m, PackedLinear) for m in prepare_for_decoding(_decoder(), "fp32", pack=True).modules())
-    quantized = prepare_for_decoding(_decoder(), "fp32", "int8", pack=True)
+    assert any(isinstance(m, PackedLinear) for m in prepare_for_decoding(_decoder(), PACKS, pack=True).modules())
+    quantized = prepare_for_decoding(_decoder(), PACKS, "int8", pack=True)
     assert not any(isinstance(m, PackedLinear) for m in quantized.modules())
     assert any(isinstance(m, Int8Linear) for m in quantized.modules())
-    assert not any(isinstance(m, PackedLinear) for m in prepare_for_decoding(_decoder(), "fp32").modules())
+    assert not any(isinstance(m, PackedLinear) for m in prepare_for_decoding(_decoder(), PACKS).modules())
 
 
 @pytest.mark.parametrize("unavailable", ["onednn", "cpu"])

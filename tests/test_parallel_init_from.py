@@ -193,6 +193,23 @@ def test_each_rank_composes_only_its_shards_of_a_lora_checkpoint_merged(tmp_path
         assert ranks[0][layout]["hashed"] == ranks[0][layout]["total"] and ranks[1][layout]["hashed"] == 0, layout
 
 
+def test_each_rank_composes_its_shards_of_a_lora_checkpoint_over_a_lora_checkpoint(tmp_path):
+    first = _lora_checkpoint(tmp_path)  # adapters over the base's weights
+    lora = loop.train(lm_config(tmp_path, *UNTIED, f"train.init_from={first}", "lora.rank=2",
+                                "lora.targets=qkv,down", "lora.alpha=8", "train.lr=3e-2"),
+                      tmp_path / "lora2", log=quiet).checkpoint  # adapters over those, merged
+    merged, under = load_checkpoint(lora).model.state_dict(), load_checkpoint(first).model.state_dict()
+    assert all((merged[n] - under[n]).abs().max() > 1e-3 for n in merged if n.endswith((".qkv.weight", ".down.weight")))
+    plan = finetune.parts_of(lora).adapted
+    assert plan.under is not None and plan.under.under is None  # two adapters, then the weights
+    assert finetune._streamed_fingerprint(plan, block_elements=100) == recorded_fingerprint(lora)
+    run_ranks(2, _layouts_on_rank, str(tmp_path), str(lora), "lora2")
+    _check_layouts(tmp_path, "lora2")  # each rank's shards equal both merges; it read its block of the bottom base
+    ranks = [read_json(tmp_path / f"lora2-rank{r}.json") for r in (0, 1)]
+    for layout in LAYOUTS:  # the top adapter's fingerprint, over the first one's merged weights, hashed once
+        assert ranks[0][layout]["hashed"] == ranks[0][layout]["total"] and ranks[1][layout]["hashed"] == 0, layout
+
+
 def _refused_on_rank(rank: int, tmp: str, lora: str) -> None:
     cfg = lm_config(Path(tmp), "parallel.dp_shard=2", *UNTIED, f"train.init_from={lora}")
     par = start(cfg, torch.device("cpu"))

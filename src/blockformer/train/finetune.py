@@ -8,7 +8,8 @@ same matching on shapes alone and then each rank reads only its own part of the 
 (``init_sharded``): loading it whole would put the whole base on every rank. A LoRA
 checkpoint is composed in parts: each rank's block of its base, plus its block of each
 adapter's ``scale * B A``, the base checked against the adapter's fingerprint by one rank
-reading it a few rows at a time (``_read_adapted``). A resume of a one-process checkpoint
+reading it a few rows at a time (``_read_adapted``); a LoRA checkpoint over another one is
+composed down the chain, from the bottom base up. A resume of a one-process checkpoint
 into a sharded layout reads its weights and moments in parts the same way
 (``resume_in_parts``). ``lr_scale`` gives each parameter its share of ``train.lr``: layer-wise decay (Clark et al. 2020,
 ELECTRA; ``decay ** (depth from the top)``) and a separate head rate.
@@ -16,12 +17,13 @@ ELECTRA; ``decay ** (depth from the top)``) and a separate head rate.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -95,7 +97,7 @@ def init_sharded(model: nn.Module, cfg: RunConfig, parts: InitParts, rows: RowOr
     if parts.adapted is None:
         read_parts(parts.source, wanted, rows)
     else:
-        _read_adapted(parts.adapted, wanted, {name: keys[name] for name in wanted}, rows)
+        _read_adapted(parts.adapted, {name: (target, keys[name]) for name, (target, _) in wanted.items()}, rows)
     if log is not None:
         log(report.describe(cfg.train.init_from))
     return report
@@ -106,24 +108,37 @@ class _Adapted:
     """Where each tensor of a LoRA checkpoint, merged (``scale * B A`` folded into its base
     weights), comes from, found on meta builds of it and of its base."""
     directory: Path  # the LoRA checkpoint: adapter.safetensors holds its adapters and a task head
-    base: Path  # the checkpoint its adapter was trained on, with model.safetensors or dcp/
+    base: Path  # the checkpoint its adapter was trained on, with model.safetensors or dcp/, or a LoRA one
+    under: _Adapted | None  # the base's own plan where the base is a LoRA checkpoint too
+    keys: dict[str, str]  # its name -> the base model's name for it
     from_base: dict[str, list[str]]  # its name -> the names the base's file may hold it under
     stored: set[str]  # the names its adapter.safetensors holds
     layers: dict[str, LoRALinear]  # an adapted weight's name -> its (meta) layer: parts, scale, factor names
     fingerprinted: list[tuple[str, torch.dtype, torch.Size, bool]]  # base_fingerprint's entries, no values
 
+    def chain(self) -> list[_Adapted]:
+        """This plan and the plans below it, down to the one whose base holds weights."""
+        return [self] + (self.under.chain() if self.under is not None else [])
 
-def _adapted(source: Path) -> _Adapted | None:
-    """``source`` read in parts as a LoRA checkpoint, or None where it is not one, its base
-    holds no weights of its own (no ``model.safetensors``, no ``dcp/``: another adapter), or a
-    base tensor of the LoRA model is not in the base (its value would be that run's random
-    draw): those merge whole."""
-    if not (source / ADAPTER).is_file():
+
+_MAX_CHAIN = 16  # LoRA checkpoints over LoRA checkpoints: past this many, merged whole (a cycle, surely)
+
+
+def _adapted(source: Path, depth: int = 0) -> _Adapted | None:
+    """``source`` read in parts as a LoRA checkpoint, or None where it is not one, or a base
+    tensor of the LoRA model is not in the base (its value would be that run's random draw),
+    or its base is neither weights (``model.safetensors``, ``dcp/``) nor a LoRA checkpoint that
+    reads in parts itself: those merge whole. A LoRA checkpoint over a LoRA checkpoint is
+    composed from the bottom base up, each adapter's update added in turn."""
+    if not (source / ADAPTER).is_file() or depth >= _MAX_CHAIN:
         return None
     lora_cfg = read_config(source)
     base = resolve_checkpoint(adapter_base(source))
+    under = None
     if not (base / WEIGHTS).is_file() and not (base / DCP_DIR).is_dir():
-        return None
+        under = _adapted(base, depth + 1)
+        if under is None:
+            return None
     base_cfg = check_base_arch(base, lora_cfg)
     with torch.device("meta"):
         lora_model, base_model = build_run_model(lora_cfg), build_run_model(base_cfg)
@@ -139,23 +154,29 @@ def _adapted(source: Path) -> _Adapted | None:
     check_adapter_names(source / ADAPTER, stored, lora_model)
     entries = [(n, t.dtype, t.shape, tied) for n, t, tied in marked_ties(((n, tensors[n]) for n in names), id)]
     layers = {f"{prefix}.weight": m for prefix, m in lora_model.named_modules() if isinstance(m, LoRALinear)}
-    return _Adapted(source, base, {n: aliases[k] for n, k in keys.items()}, stored, layers, entries)
+    return _Adapted(source, base, under, keys, {n: aliases[k] for n, k in keys.items()}, stored, layers, entries)
 
 
-def _read_adapted(adapted: _Adapted, wanted: dict[str, tuple[torch.Tensor, list[str]]], keys: dict[str, str],
-                  rows: RowOrder) -> None:
+def _read_adapted(adapted: _Adapted, wanted: dict[str, tuple[torch.Tensor, str]], rows: RowOrder) -> None:
     """This rank's part of a LoRA checkpoint's merged weights into ``wanted`` (name -> its
-    target, and the checkpoint's names for it; ``keys``: name -> the one it takes): its block
-    of the base from the base's file, its block of ``scale * B A`` added to an adapted weight
-    (from the rank-r factors), a task head from adapter.safetensors. The base is checked
-    against the adapter's fingerprint first, on rank 0 (a streamed read), told to all."""
+    target, and the LoRA model's name for it). The base is checked against the adapter's
+    fingerprint first, on rank 0, a streamed read, told to all."""
     _check_base_once(adapted)
-    stored = {n: v for n, v in wanted.items() if keys[n] in adapted.stored}
+    _compose(adapted, wanted, rows)
+
+
+def _compose(adapted: _Adapted, wanted: dict[str, tuple[torch.Tensor, str]], rows: RowOrder) -> None:
+    """Its block of the base (from the base's file, or composed the same way where the base is
+    a LoRA checkpoint), its block of ``scale * B A`` added to an adapted weight (from the rank-r
+    factors), a task head from adapter.safetensors."""
+    stored = {n: (t, [k]) for n, (t, k) in wanted.items() if k in adapted.stored}
     read_parts(adapted.directory, stored, rows, weights=ADAPTER)
-    read_parts(adapted.base, {n: (t, adapted.from_base[keys[n]]) for n, (t, _) in wanted.items() if n not in stored},
-               rows)
-    updates = {n: (t, _low_rank(adapted, keys[n])) for n, (t, _) in wanted.items() if keys[n] in adapted.layers}
-    add_parts(updates, rows)
+    rest = {n: (t, k) for n, (t, k) in wanted.items() if n not in stored}
+    if adapted.under is None:
+        read_parts(adapted.base, {n: (t, adapted.from_base[k]) for n, (t, k) in rest.items()}, rows)
+    else:
+        _compose(adapted.under, {n: (t, adapted.keys[k]) for n, (t, k) in rest.items()}, rows)
+    add_parts({n: (t, _low_rank(adapted, k)) for n, (t, k) in wanted.items() if k in adapted.layers}, rows)
 
 
 def _low_rank(adapted: _Adapted, weight: str) -> LowRankRows:
@@ -166,19 +187,22 @@ def _low_rank(adapted: _Adapted, weight: str) -> LowRankRows:
 
 
 def _check_base_once(adapted: _Adapted) -> None:
-    """``check_base_fingerprint`` without the base in memory: rank 0 hashes the base's file a
-    few rows at a time in the LoRA model's names and dtypes, and every rank raises its verdict."""
-    recorded = recorded_fingerprint(adapted.directory)
-    if recorded is None:
+    """``check_base_fingerprint`` without the base in memory: rank 0 hashes the base a few
+    rows at a time in the LoRA model's names and dtypes, and every rank raises its verdict.
+    Down a chain of LoRA checkpoints, the topmost fingerprint recorded is the one checked: the
+    merged values it covers are those that adapter was trained on, whatever lies below."""
+    checked = next(((a, r) for a in adapted.chain() if (r := recorded_fingerprint(a.directory)) is not None), None)
+    if checked is None:
         return
+    level, recorded = checked
     verdict: list[str | None] = [None]
     group = None
     if dist.is_initialized():  # the others wait while rank 0 reads it all: a wait that grows with the base
-        size = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape, _ in adapted.fingerprinted)
+        size = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape, _ in level.fingerprinted)
         group = dist.new_group(timeout=timedelta(seconds=_HASH_WAIT_S + size / _HASH_BYTES_PER_S))
     if group is None or dist.get_rank() == 0:
         try:
-            refuse_changed_base(adapted.directory, adapted.base, _streamed_fingerprint(adapted), recorded)
+            refuse_changed_base(level.directory, level.base, _streamed_fingerprint(level), recorded)
         except (UsageError, OSError) as e:
             verdict = [str(e)]
     if group is not None:
@@ -192,16 +216,39 @@ _HASH_WAIT_S, _HASH_BYTES_PER_S = 300.0, 50e6  # slack, and a slow disk's read r
 
 
 def _streamed_fingerprint(adapted: _Adapted, block_elements: int = 1 << 22) -> str:
-    """``base_fingerprint`` of the LoRA model, its base values read from the base's file a few
-    rows at a time (``model.safetensors``, read, not mapped: no file pages stay resident), or
-    from its ``dcp/`` one tensor at a time."""
+    """``base_fingerprint`` of the LoRA model, its base values read a few rows at a time
+    (``_base_blocks``)."""
+    with contextlib.ExitStack() as files:
+        blocks = _base_blocks(adapted, files, block_elements)
+        return fingerprint_of((n, dtype, shape, tied, lambda n=n, shape=shape: blocks(n, shape))
+                              for n, dtype, shape, tied in adapted.fingerprinted)
+
+
+def _base_blocks(adapted: _Adapted, files: contextlib.ExitStack, block_elements: int
+                 ) -> Callable[[str, torch.Size], Iterator[torch.Tensor]]:
+    """name (in the LoRA model) -> the row blocks of its base value: from ``model.safetensors``
+    a few rows at a time (read, not mapped: no file pages stay resident), from ``dcp/`` a tensor
+    at a time, or, for a LoRA base, its own base's blocks with its update added."""
+    if adapted.under is not None:
+        return _merged_blocks(adapted, files, block_elements)
     file = adapted.base / WEIGHTS
     if file.is_file():
-        with safe_open(str(file), framework="pt", backend="pread") as f:
-            return _fingerprint_from(adapted, file, set(f.keys()), lambda key, shape: _row_blocks(
-                f.get_slice(key), shape, block_elements) if len(shape) else [f.get_tensor(key)])
-    present, read = dcp_reader(adapted.base)
-    return _fingerprint_from(adapted, adapted.base / DCP_DIR, present, lambda key, shape: [read(key)])
+        f = files.enter_context(safe_open(str(file), framework="pt", backend="pread"))
+        where, present = file, set(f.keys())
+
+        def read(key: str, shape: torch.Size):
+            return _row_blocks(f.get_slice(key), shape, block_elements) if len(shape) else [f.get_tensor(key)]
+    else:
+        present, whole = dcp_reader(adapted.base)
+        where, read = adapted.base / DCP_DIR, lambda key, shape: [whole(key)]
+
+    def blocks(name: str, shape: torch.Size):
+        key = next((k for k in adapted.from_base[name] if k in present), None)
+        if key is None:
+            raise UsageError(f"{where}: holds no {name}; expected the weights written with its config.json")
+        yield from read(key, shape)
+
+    return blocks
 
 
 def _row_blocks(whole: Any, shape: torch.Size, block_elements: int):
@@ -210,15 +257,27 @@ def _row_blocks(whole: Any, shape: torch.Size, block_elements: int):
         yield whole[first: min(first + step, shape[0])]  # safetensors' pread backend refuses a slice past the end
 
 
-def _fingerprint_from(adapted: _Adapted, where: Path, present: set[str], blocks: Callable) -> str:
-    def values(name: str, shape: torch.Size):
-        key = next((k for k in adapted.from_base[name] if k in present), None)
-        if key is None:
-            raise UsageError(f"{where}: holds no {name}; expected the weights written with its config.json")
-        yield from blocks(key, shape)
+def _merged_blocks(adapted: _Adapted, files: contextlib.ExitStack, block_elements: int
+                   ) -> Callable[[str, torch.Size], Iterator[torch.Tensor]]:
+    """``_base_blocks`` where the base is a LoRA checkpoint: its merged values, row block by
+    row block (its base's blocks, plus the same rows of its adapter's ``scale * B A``)."""
+    under = adapted.under
+    inner = _base_blocks(under, files, block_elements)
 
-    return fingerprint_of((n, dtype, shape, tied, lambda n=n, shape=shape: values(n, shape))
-                          for n, dtype, shape, tied in adapted.fingerprinted)
+    def blocks(name: str, shape: torch.Size):
+        key = adapted.keys[name]
+        if key in under.stored:  # a task head of the base's own adapter file
+            with safe_open(str(under.directory / ADAPTER), framework="pt") as f:
+                yield f.get_tensor(key)
+            return
+        update, first = _low_rank(under, key) if key in under.layers else None, 0
+        for block in inner(key, shape):
+            if update is not None:
+                block = block + update[first: first + len(block), :]
+                first += len(block)
+            yield block
+
+    return blocks
 
 
 def resumes_in_parts(runtime: Any, checkpoint: Path | None, state: dict | None) -> bool:

@@ -229,3 +229,27 @@ def test_the_avx2_cap_turns_every_cpu_choice_to_the_avx2_one(monkeypatch):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert choices() == (False, False, False, False)
     assert P.resolve_precision("auto", CPU) == "fp32"
+
+
+def _cache_dir_after_import(env: dict[str, str]) -> str:
+    import os
+    import subprocess
+    import sys
+    code = ("import importlib, os, blockformer; importlib.reload(blockformer); "
+            "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR', ''))")
+    base = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                         timeout=60, check=True)
+    return out.stdout.strip()
+
+
+def test_a_capped_cpu_capability_gets_its_own_inductor_cache(tmp_path):
+    # inductor's cache keys graphs without the cap: a shared cache handed an uncapped graph's
+    # 16-lane loops to an AVX2 build, and GPT-2's compiled decode step segfaulted
+    given = str(tmp_path / "cache")
+    assert _cache_dir_after_import({"ATEN_CPU_CAPABILITY": "AVX2", "TORCHINDUCTOR_CACHE_DIR": given}) == given + "-avx2"
+    assert _cache_dir_after_import({"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": given + "-avx2"}) \
+        == given + "-avx2"  # once: a child process inherits the suffixed directory
+    assert _cache_dir_after_import({"ATEN_CPU_CAPABILITY": "default"}).endswith("-default")
+    assert _cache_dir_after_import({"TORCHINDUCTOR_CACHE_DIR": given}) == given
+    assert _cache_dir_after_import({}) == ""  # uncapped: torch's own default, untouched

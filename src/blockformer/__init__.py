@@ -8,10 +8,37 @@ Ctrl-C while it loads is one line and exit 130, not a traceback.
 
 from __future__ import annotations
 
+import getpass
 import importlib
+import os
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+
+def _inductor_cache_per_capability() -> None:
+    """Under ``ATEN_CPU_CAPABILITY`` (``avx2`` on an AVX-512 CPU: a first look at the AVX2
+    kernels), inductor's cache lives in its own directory, ``<cache>-avx2``. Inductor keys its
+    compiled graphs without that cap but builds their C++ for it, so a graph cached by an
+    uncapped run comes back with 16-lane loops compiled for 8 lanes: the process segfaults
+    (GPT-2's compiled decode step did, 2026-12-03). Set before torch compiles anything, and once."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if not cap:
+        return
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if base is None:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = f"uid_{os.getuid()}"
+        base = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    base = base.rstrip(os.sep)
+    if not base.endswith(f"-{cap}"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{base}-{cap}"
+
+
+_inductor_cache_per_capability()
 
 _EXPORTS = {
     "TransformerConfig": ".config",

@@ -15,8 +15,9 @@ What makes blockformer's per-token cost small: the KV cache is allocated once (H
 Face's grows by concatenation) and eager decoding on a CPU attends only over its written
 slots; the decode step has fixed shapes, so ``torch.compile`` captures it once (and on CUDA
 replays it as a CUDA graph, removing per-kernel launch overhead, which dominates at batch
-1); tokens stay on the device, with no host sync per token. ``packed`` stores the matmul
-weights in oneDNN's blocked layout once (``generate.pack_linears``, what the CLI does on a
+1; on a CPU its kernels are called from C++, inductor's ``cpp_wrapper``, and
+``compiled-python`` is the same step with torch's default Python wrapper); tokens stay on
+the device, with no host sync per token. ``packed`` stores the matmul weights in oneDNN's blocked layout once (``generate.pack_linears``, what the CLI does on a
 CPU): the same products at up to twice the speed for the few rows of a decode step, output
 checked identical to greedy here; where fp32 weights are not packed (AVX2), ``packed`` streams
 them through blockformer's C kernel instead (``StreamedLinear``), which ``packed-compiled``
@@ -71,8 +72,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft-checkpoint", default=None, help="speculative: a trained draft for --checkpoint")
     p.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     p.add_argument("--skip", nargs="*", default=[],
-                   choices=["nocache", "cache", "compiled", "packed", "packed-compiled", "matmuls", "int8-cache",
-                            "int8-compiled", "int4-cache", "int4-compiled", "speculative", "hf"],
+                   choices=["nocache", "cache", "compiled", "compiled-python", "packed", "packed-compiled", "matmuls",
+                            "int8-cache", "int8-compiled", "int4-cache", "int4-compiled", "speculative", "hf"],
                    help="variants to leave out (nocache is slow: it recomputes the whole sequence)")
     return p.parse_args()
 
@@ -116,6 +117,7 @@ def main() -> None:
         "nocache": dict(use_cache=False),
         "cache": dict(use_cache=True),
         "compiled": dict(use_cache=True, compile=True),
+        "compiled-python": dict(use_cache=True, compile=True, compile_mode="default"),  # torch's own wrapper
         "packed": dict(use_cache=True),
         "packed-compiled": dict(use_cache=True, compile=True),
         "int8-cache": dict(use_cache=True),

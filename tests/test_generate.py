@@ -227,6 +227,24 @@ def test_compiled_step_gives_the_same_tokens_and_compiles_once():
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_the_cpu_step_calls_its_kernels_from_cpp_unless_a_mode_is_given(monkeypatch):
+    from blockformer.generate import step as step_module
+
+    seen = []
+
+    def compile(fn, **kw):
+        seen.append((kw["mode"], kw["options"]))
+        return fn  # the step runs eagerly: only the choice is under test here
+
+    monkeypatch.setattr(step_module, "_COMPILED", {})
+    monkeypatch.setattr(step_module.torch, "compile", compile)
+    model, eager = make(), generate(make(), PROMPTS, 4, temperature=0)
+    assert generate(model, PROMPTS, 4, temperature=0, compile=True) == eager
+    assert generate(model, PROMPTS, 4, temperature=0, compile=True, compile_mode="default") == eager
+    assert generate(model, PROMPTS, 4, temperature=0, compile=True) == eager  # built once: reused
+    assert seen == [(None, {"cpp_wrapper": True}), ("default", None)]
+
+
 @pytest.mark.slow
 def test_cuda_graph_mode_reuses_one_static_cache_per_model():
     # On CPU the CUDA graph itself is skipped, but the static-cache bookkeeping runs.

@@ -37,7 +37,7 @@ def rss():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
 import safetensors.torch, torch
 from blockformer.cli import main
-from blockformer.train.checkpoint import load_checkpoint
+from blockformer.train.load import load_checkpoint
 base = rss()
 if sys.argv[1] == "streamed":
     assert main(["convert", "--consolidate", sys.argv[2]]) == 0

@@ -88,7 +88,7 @@ def draft_from(target, layers: int):
 
 def load_pair(args, device, dtype):
     """(target, draft or None) from ``--checkpoint`` / ``--draft-checkpoint``."""
-    from blockformer.train.checkpoint import load_checkpoint  # noqa: PLC0415
+    from blockformer.train.load import load_checkpoint  # noqa: PLC0415
 
     target = load_checkpoint(args.checkpoint, device).model.to(dtype).eval()
     draft = load_checkpoint(args.draft_checkpoint, device).model.to(dtype).eval() if args.draft_checkpoint else None

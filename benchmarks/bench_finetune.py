@@ -28,8 +28,8 @@ from blockformer.data.labelled import read_labelled
 from blockformer.run_config import load_run_config
 from blockformer.stats import count_parameters
 from blockformer.train import load_checkpoint, train
-from blockformer.train.checkpoint import read_config
 from blockformer.train.finetune import build_model_for
+from blockformer.train.load import read_config
 from blockformer.train.setup import build_head_objective
 
 from common import cpu_kind

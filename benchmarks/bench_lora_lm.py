@@ -56,8 +56,8 @@ def child(args: argparse.Namespace) -> dict:
     from blockformer.run_config import load_run_config  # noqa: PLC0415
     from blockformer.stats import count_parameters  # noqa: PLC0415
     from blockformer.train import train  # noqa: PLC0415
-    from blockformer.train.checkpoint import read_config  # noqa: PLC0415
     from blockformer.train.finetune import build_model_for  # noqa: PLC0415
+    from blockformer.train.load import read_config  # noqa: PLC0415
 
     if args.threads:
         torch.set_num_threads(args.threads)

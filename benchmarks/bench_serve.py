@@ -344,7 +344,7 @@ def bench_sequential(ckpt: Path, prompts: dict, schedules: dict, args, cores: tu
     import torch  # noqa: PLC0415
 
     from blockformer.generate import generate, prepare_for_decoding  # noqa: PLC0415
-    from blockformer.train.checkpoint import load_checkpoint  # noqa: PLC0415
+    from blockformer.train.load import load_checkpoint  # noqa: PLC0415
 
     print("\n== sequential: blockformer.generate.generate, one request at a time, no HTTP", flush=True)
     own, threads = os.sched_getaffinity(0), torch.get_num_threads()
@@ -442,7 +442,7 @@ def main() -> None:
     import transformers  # noqa: PLC0415
 
     from blockformer.tokenizers import load_tokenizer  # noqa: PLC0415
-    from blockformer.train.checkpoint import read_config  # noqa: PLC0415
+    from blockformer.train.load import read_config  # noqa: PLC0415
 
     torch.set_num_threads(1)
     args.cache.mkdir(parents=True, exist_ok=True)

@@ -152,7 +152,7 @@ def full_val_loss(checkpoint: Path, cfg, precision: str) -> float:
     """Mean loss per token over every window of the validation split (not ``eval_batches``)."""
     from blockformer.data.lm import LMDataset  # noqa: PLC0415
     from blockformer.data.token_file import TokenFile  # noqa: PLC0415
-    from blockformer.train.checkpoint import load_checkpoint  # noqa: PLC0415
+    from blockformer.train.load import load_checkpoint  # noqa: PLC0415
     from blockformer.nn.loss import token_loss  # noqa: PLC0415
 
     model = load_checkpoint(checkpoint).model.eval()

@@ -12,14 +12,13 @@ from blockformer.run_config import RunConfig
 from blockformer.tokenizers import CharTokenizer
 from blockformer.train import checkpoint as ckpt_mod
 from blockformer.train.checkpoint import (
-    load_checkpoint,
-    load_trainer_state,
     mark_best,
     prune,
     resolve_checkpoint,
     save_checkpoint,
     step_checkpoints,
 )
+from blockformer.train.load import load_checkpoint, load_trainer_state
 
 
 def _setup(arch="decoder", tie=True):

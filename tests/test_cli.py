@@ -11,7 +11,7 @@ from blockformer import build_model, count_parameters
 from blockformer.cli import main
 from blockformer.run_config import load_run_config
 from blockformer.tokenizers import CharTokenizer
-from blockformer.train.checkpoint import load_checkpoint
+from blockformer.train.load import load_checkpoint
 from blockformer.generate import generate
 from blockformer.tokenizers import EOS_ID
 

@@ -19,7 +19,8 @@ from blockformer.errors import UsageError
 from blockformer.interop import from_hf, to_hf
 from blockformer.run_config import RunConfig
 from blockformer.tokenizers import CharTokenizer
-from blockformer.train.checkpoint import load_checkpoint, save_checkpoint, step_checkpoints
+from blockformer.train.checkpoint import save_checkpoint, step_checkpoints
+from blockformer.train.load import load_checkpoint
 
 CFG = TransformerConfig(arch="decoder", vocab_size=12, d_model=16, n_layers=1, n_heads=2, max_seq_len=16,
                         norm="rms", ffn="swiglu", position="rope", bias=False, scale_embeddings=False)

@@ -12,8 +12,9 @@ from blockformer.models.heads import TaskModel
 from blockformer.run_config import load_run_config
 from blockformer.tokenizers import train_tokenizer
 from blockformer.train import train
-from blockformer.train.checkpoint import load_checkpoint, save_checkpoint
+from blockformer.train.checkpoint import save_checkpoint
 from blockformer.train.finetune import build_model_for, lr_scale
+from blockformer.train.load import load_checkpoint
 from blockformer.train.optim import build_optimizer
 
 QUIET = dict(log=lambda *a: None)

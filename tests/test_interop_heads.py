@@ -30,7 +30,7 @@ from blockformer.models.heads import SequenceHead, TaskModel, TokenHead  # noqa:
 from blockformer.run_config import RunConfig, load_run_config  # noqa: E402
 from blockformer.train import train  # noqa: E402
 from blockformer.tokenizers import train_tokenizer  # noqa: E402
-from blockformer.train.checkpoint import load_checkpoint, read_config  # noqa: E402
+from blockformer.train.load import load_checkpoint, read_config  # noqa: E402
 
 ATOL = 1e-5
 WORDS = [f"w{i}" for i in range(40)]

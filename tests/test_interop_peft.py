@@ -24,7 +24,8 @@ from blockformer.interop import from_hf, from_peft, to_hf, to_peft  # noqa: E402
 from blockformer.nn.lora import LoRALinear, apply_lora, unload_lora  # noqa: E402
 from blockformer.run_config import DataConfig, LoraConfig, RunConfig, TrainConfig  # noqa: E402
 from blockformer.train.adapter import ADAPTER, base_fingerprint  # noqa: E402
-from blockformer.train.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from blockformer.train.checkpoint import save_checkpoint
+from blockformer.train.load import load_checkpoint  # noqa: E402
 
 ATOL = 1e-5
 HF = {

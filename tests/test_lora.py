@@ -18,8 +18,9 @@ from blockformer.run_config import LoraConfig, RunConfig, load_run_config
 from blockformer.stats import count_parameters
 from blockformer.tokenizers import train_tokenizer
 from blockformer.train import train
-from blockformer.train.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
+from blockformer.train.checkpoint import WEIGHTS, save_checkpoint
 from blockformer.train.adapter import ADAPTER, read_adapter_base
+from blockformer.train.load import load_checkpoint
 
 QUIET = dict(log=lambda *a: None)
 ALL = ["qkv", "out", "up", "gate", "down"]

@@ -10,7 +10,7 @@ from blockformer.nn.loss import token_loss
 from blockformer.run_config import load_run_config
 from blockformer.tokenizers import PAD_ID
 from blockformer.train import train
-from blockformer.train.checkpoint import load_checkpoint
+from blockformer.train.load import load_checkpoint
 from blockformer.train.mlm import MaskedLM
 
 QUIET = dict(log=lambda *a: None)

@@ -17,7 +17,7 @@ from blockformer.errors import UsageError
 from blockformer.parallel import dcp_reader
 from blockformer.parallel.checkpoint import DCP_DIR, dcp_weights
 from blockformer.train import loop
-from blockformer.train.checkpoint import load_checkpoint, read_config
+from blockformer.train.load import load_checkpoint, read_config
 from blockformer.train.loop import train
 
 from parallel_helpers import read_json, run_ranks, write_json

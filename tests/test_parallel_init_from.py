@@ -24,7 +24,8 @@ from blockformer.train import finetune, loop
 from blockformer.train.adapter import recorded_fingerprint
 from blockformer.train.build import build_run_model
 from blockformer.paths import WEIGHTS
-from blockformer.train.checkpoint import load_checkpoint, load_trainer_state, read_config, resolve_checkpoint
+from blockformer.train.checkpoint import resolve_checkpoint
+from blockformer.train.load import load_checkpoint, load_trainer_state, read_config
 from blockformer.train.optim import build_optimizer
 
 from parallel_helpers import read_json, run_ranks, write_json

@@ -12,7 +12,6 @@ from blockformer.config import TransformerConfig
 from blockformer.errors import UsageError
 from blockformer.models import build_model
 from blockformer.parallel.tensor import check_tp, rank_major_order
-from blockformer.train.checkpoint import load_checkpoint
 
 from parallel_helpers import read_json, run_ranks, write_json
 from test_parallel_dp import _train_on_rank, assert_same_run, reference

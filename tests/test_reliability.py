@@ -19,6 +19,7 @@ from blockformer.errors import UsageError
 from blockformer.run_config import load_run_config, read_toml
 from blockformer.tokenizers import CharTokenizer
 from blockformer.train import checkpoint as ck
+from blockformer.train import load as ld
 from blockformer.train import train
 from blockformer.train.average import last_checkpoints
 from blockformer.train.loop import NonFiniteLoss
@@ -45,7 +46,7 @@ def test_a_fresh_run_into_a_used_directory_is_refused_and_overwrite_replaces_it(
     for what in (str(tmp_path / "run"), "--resume", "--out", "--overwrite"):
         assert what in str(e.value)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before  # nothing touched
-    assert ck.load_checkpoint(first.checkpoint).config.train.steps == 2
+    assert ld.load_checkpoint(first.checkpoint).config.train.steps == 2
     again = train(tiny_task("train.steps=3", "train.eval_every=0"), tmp_path / "run", overwrite=True, **QUIET)
     assert [p.name for p in ck.step_checkpoints(tmp_path / "run")] == ["step-000003"]
     assert again.step == 3 and not (tmp_path / "run" / LOCK).exists()
@@ -179,8 +180,8 @@ def test_a_crash_at_any_step_of_save_best_and_prune_leaves_loadable_checkpoints(
         assert listed[-1].name == "step-000020", k
         for p in [*listed, ck.best_checkpoint(run)]:
             assert p is not None, f"best dangles after a crash at op {k}"
-            ck.load_checkpoint(p)
-            assert ck.load_trainer_state(p)["step"] == int(p.resolve().name[-6:])
+            ld.load_checkpoint(p)
+            assert ld.load_trainer_state(p)["step"] == int(p.resolve().name[-6:])
         assert not [p for p in run.iterdir() if p.name.startswith(".")], k  # temporaries cleaned
         if not state["fired"]:
             break
@@ -248,7 +249,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp
     assert "No space left on device" in err and "trainer_state.pt" in err
     assert [p.name for p in ck.step_checkpoints(out)] == ["step-000002"]
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no temporary, no lock
-    ck.load_checkpoint(out / "step-000002")
+    ld.load_checkpoint(out / "step-000002")
 
 
 def test_a_full_disk_writing_the_loss_plot_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
@@ -363,7 +364,7 @@ def test_a_nan_loss_stops_the_run_keeping_the_last_checkpoint(tmp_path, monkeypa
         train(cfg, tmp_path / "run", **QUIET)
     last = ck.step_checkpoints(tmp_path / "run")[-1]
     assert last.name == "step-000004"
-    assert all(torch.isfinite(p).all() for p in ck.load_checkpoint(last).model.parameters())
+    assert all(torch.isfinite(p).all() for p in ld.load_checkpoint(last).model.parameters())
     # on the command line: exit code 3, one line
     _nan_at(monkeypatch, 3)
     argv = ["train", "--out", str(tmp_path / "cli"), *[a for item in [
@@ -381,7 +382,7 @@ def test_nonfinite_skip_skips_the_update_and_carries_on(tmp_path, monkeypatch):
     assert [x != x for x in result.losses] == [False, False, True, False, False, False]  # one loss per step
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] == r["loss"] for r in records if r["split"] == "train"] == [True, True]  # finite means
-    assert all(torch.isfinite(p).all() for p in ck.load_checkpoint(result.checkpoint).model.parameters())
+    assert all(torch.isfinite(p).all() for p in ld.load_checkpoint(result.checkpoint).model.parameters())
 
 
 # ------------------------------------------------------------------ 6. a checkpoint is data, not instructions
@@ -425,12 +426,12 @@ def test_a_malicious_pickle_in_the_trainer_state_is_refused_not_run(tmp_path, mo
     path = ck.save_checkpoint(tmp_path / "ck", model, tok, cfg, {"step": 1})
     torch.save({"step": 1, "payload": _Evil()}, path / ck.STATE)
     with pytest.raises(UsageError) as e:
-        ck.load_trainer_state(path)
+        ld.load_trainer_state(path)
     assert "refused" in str(e.value) and "damaged" not in str(e.value)
     assert not (tmp_path / "PWNED").exists()
     (path / ck.STATE).write_bytes(b"\x80\x04garbage")  # a damaged file is reported as damaged
     with pytest.raises(UsageError, match="damaged"):
-        ck.load_trainer_state(path)
+        ld.load_trainer_state(path)
 
 
 # ------------------------------------------------------------------ 9. exit codes say what happened
@@ -453,4 +454,4 @@ def test_a_run_stopped_by_a_signal_saves_and_exits_with_128_plus_the_signal(tmp_
         "data.seq_len=32", "model.max_seq_len=32", "train.batch_size=8", "train.steps=6"] for a in ("--set", item)]]
     assert main(argv) == code
     assert "continue with:  blockformer train --resume" in capsys.readouterr().out
-    assert ck.load_trainer_state(ck.step_checkpoints(tmp_path / "run")[-1])["step"] == 2
+    assert ld.load_trainer_state(ck.step_checkpoints(tmp_path / "run")[-1])["step"] == 2

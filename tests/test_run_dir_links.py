@@ -10,7 +10,7 @@ import pytest
 
 from blockformer.cli import main
 from blockformer.errors import UsageError
-from blockformer.train import checkpoint as ck
+from blockformer.train import load as ld
 from blockformer.train import train
 from blockformer.train.metrics import MetricsLog
 from blockformer.paths import replace_file
@@ -74,7 +74,7 @@ def test_best_as_the_trainer_writes_it_is_accepted(finished_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run, symlinks=True)
     assert os.readlink(run / "best") in ("step-000001", "step-000002")
-    cfg = ck.read_config(run / "step-000002")
+    cfg = ld.read_config(run / "step-000002")
     cfg.train.steps = 3
     assert train(cfg, run, resume=run, **QUIET).step == 3
 
@@ -93,7 +93,7 @@ def test_a_lock_that_is_a_link_is_replaced_not_written_through(finished_run, tmp
     outside = tmp_path / "outside.txt"
     outside.write_text("not a lock\n")
     os.symlink(outside, run / LOCK)
-    cfg = ck.read_config(run / "step-000002")
+    cfg = ld.read_config(run / "step-000002")
     cfg.train.steps = 3
     assert train(cfg, run, resume=run, **QUIET).step == 3
     assert outside.read_text() == "not a lock\n" and not (run / LOCK).exists()

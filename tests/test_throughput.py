@@ -9,7 +9,8 @@ from blockformer.cli import main
 from blockformer.stats import flops_per_token
 from blockformer.train import train
 from blockformer.train import throughput
-from blockformer.train.checkpoint import read_config, resolve_checkpoint
+from blockformer.train.checkpoint import resolve_checkpoint
+from blockformer.train.load import read_config
 from blockformer.train.throughput import (format_flops, machine_key, measure_bandwidth, measure_peak,
                                            memory_bandwidth, peak_flops, utilisation)
 

@@ -25,7 +25,7 @@ from blockformer.models.heads import SequenceHead, TaskModel  # noqa: E402
 from blockformer.run_config import load_run_config  # noqa: E402
 from blockformer.tokenizers import BOS_ID, EOS_ID, train_tokenizer  # noqa: E402
 from blockformer.train import train  # noqa: E402
-from blockformer.train.checkpoint import load_checkpoint  # noqa: E402
+from blockformer.train.load import load_checkpoint  # noqa: E402
 from blockformer.train.setup import build_run  # noqa: E402
 
 ATOL = 1e-5

@@ -11,7 +11,7 @@ import torch
 from blockformer.errors import UsageError
 from blockformer.run_config import load_run_config
 from blockformer.train import train
-from blockformer.train.checkpoint import load_checkpoint, load_trainer_state
+from blockformer.train.load import load_checkpoint, load_trainer_state
 from blockformer.train.objective import LanguageModelling
 
 QUIET = dict(log=lambda *a: None)

@@ -28,8 +28,8 @@ from blockformer.errors import UsageError
 from blockformer.interop import from_hf, to_hf
 from blockformer.parallel.checkpoint import DCP_DIR, dcp_weights, full_optimizer_state
 from blockformer.run_config import load_run_config
-from blockformer.train.checkpoint import load_checkpoint, load_trainer_state, read_config
 from blockformer.train.finetune import lr_scale
+from blockformer.train.load import load_checkpoint, load_trainer_state, read_config
 from blockformer.train.loop import train
 from blockformer.train.optim import build_optimizer
 

@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from blockformer.cli import main  # noqa: E402
 from blockformer.generate import generate  # noqa: E402
 from blockformer.nn import attention as attention_module  # noqa: E402
-from blockformer.train.checkpoint import load_checkpoint  # noqa: E402
+from blockformer.train.load import load_checkpoint  # noqa: E402
 from blockformer.train.metrics import read_metrics  # noqa: E402
 from blockformer.view import create_app, export  # noqa: E402
 from blockformer.view.app import plotly_js  # noqa: E402

@@ -22,7 +22,7 @@ from view_browser import Served, console_errors, find_browser, requested_urls, s
 from view_runs import SHORT, make_runs, records, root, write_run  # noqa: E402,F401 - root: a fixture
 
 from blockformer.generate import generate  # noqa: E402
-from blockformer.train.checkpoint import load_checkpoint  # noqa: E402
+from blockformer.train.load import load_checkpoint  # noqa: E402
 from blockformer.train.metrics import read_metrics  # noqa: E402
 from blockformer.view import export  # noqa: E402
 

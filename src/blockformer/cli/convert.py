@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _consolidate(args: argparse.Namespace) -> int:
     from ..parallel.checkpoint import consolidate_checkpoint  # noqa: PLC0415
-    from ..train.checkpoint import read_config, resolve_checkpoint  # noqa: PLC0415
+    from ..train.checkpoint import resolve_checkpoint
+    from ..train.load import read_config  # noqa: PLC0415
 
     for flag in ("out", "tokenizer", "base", "max_shard_size"):
         if getattr(args, flag) is not None:

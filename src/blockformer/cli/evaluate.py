@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses  # noqa: PLC0415
 
     from ..generate.quantize import quantize  # noqa: PLC0415
-    from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
+    from ..train.load import load_checkpoint  # noqa: PLC0415
     from ..precision import autocast, check_precision, resolve_device  # noqa: PLC0415
 
     if args.batch_size is not None and not 1 <= args.batch_size <= 2**16:

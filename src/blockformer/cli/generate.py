@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..generate import TextStream, generate, prepare_for_decoding, speculative_generate  # noqa: PLC0415
     from ..tokenizers import EOS_ID  # noqa: PLC0415
-    from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
+    from ..train.load import load_checkpoint  # noqa: PLC0415
     from ..precision import check_precision, resolve_device  # noqa: PLC0415
 
     from ..generate.causal import MAX_NEW_TOKENS  # noqa: PLC0415
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
 def _load_draft(args: argparse.Namespace, ckpt, device):
     """The draft checkpoint, in the target's precision; it must share the tokenizer."""
     from ..generate import prepare_for_decoding  # noqa: PLC0415
-    from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
+    from ..train.load import load_checkpoint  # noqa: PLC0415
 
     draft = load_checkpoint(args.draft, device)
     if draft.config.model.arch != "decoder":

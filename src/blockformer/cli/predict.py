@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..data.labelled import read_texts  # noqa: PLC0415
-    from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
+    from ..train.load import load_checkpoint  # noqa: PLC0415
     from ..precision import resolve_device  # noqa: PLC0415
 
     if args.batch_size < 1:

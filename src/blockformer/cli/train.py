@@ -8,7 +8,8 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..run_config import RunConfig, load_run_config, parse_override, preset_names
-from ..train.checkpoint import read_config, resolve_checkpoint
+from ..train.checkpoint import resolve_checkpoint
+from ..train.load import read_config
 from ..train.metrics import PLOT
 from ..train.tracking import append_tracker
 
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 def report(result, cfg: RunConfig) -> None:
     """What a person wants after training: the figures, some outputs, where things are, what next."""
-    from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
+    from ..train.load import load_checkpoint  # noqa: PLC0415
 
     run_dir = result.run_dir
     if result.interrupted:

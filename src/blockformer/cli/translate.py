@@ -157,7 +157,7 @@ def load_translator(checkpoint: str, device_name: str, precision: str, quantize:
     """The checkpoint, checked to be an encoder-decoder, its model stored in ``precision``
     and quantized or packed if asked (``prepare_for_decoding``)."""
     from ..generate.quantize import prepare_for_decoding  # noqa: PLC0415
-    from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
+    from ..train.load import load_checkpoint  # noqa: PLC0415
     from ..precision import check_precision, resolve_device  # noqa: PLC0415
 
     device = resolve_device(device_name, "--device")

@@ -34,7 +34,7 @@ from .rules import Rule
 from .vocab import VocabMap, hf_special_ids, import_tokenizer, token_roles
 from ..models.checks import kind_of
 from ..train.checkpoint import step_checkpoints
-from ..train.checkpoint import load_checkpoint
+from ..train.load import load_checkpoint
 
 
 @dataclass

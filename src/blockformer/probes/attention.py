@@ -34,13 +34,13 @@ from ..nn.attention import Attention, AttnInputs
 from ..nn.position import apply_rope
 from .report import ProbeResult, plot_label
 from ..data.images import load_digits_split, pad_images, read_png
-from ..train.checkpoint import load_checkpoint
+from ..train.load import load_checkpoint
 from ..models.inputs import patchify
 from ..data.images import DIGIT_SIZE
 from ..tokenizers import BOS_ID
 from ..train.arrays import decode_images
 from ..run_config import load_run_config
-from ..train.checkpoint import read_config
+from ..train.load import read_config
 from ..data.arrays import DigitStrings
 
 

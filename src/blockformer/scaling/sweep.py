@@ -24,7 +24,8 @@ from ..errors import UsageError
 from ..run_config import RunConfig
 from ..models import build_model
 from ..stats import count_parameters, flops_per_token
-from ..train.checkpoint import read_config, step_checkpoints
+from ..train.checkpoint import step_checkpoints
+from ..train.load import read_config
 from ..train.loop import train
 from ..train.tracking import append_tracker
 from .fit import INTERVAL_SIZES, chinchilla_problem, fit_chinchilla, fit_kaplan, kaplan_problem

@@ -131,7 +131,7 @@ class Engine:
         """Load a checkpoint (a run or checkpoint directory) to serve. ``chat_template``:
         a Jinja template's text; default the checkpoint's own (``chat_template.jinja``)."""
         from ..generate import prepare_for_decoding  # noqa: PLC0415
-        from ..train.checkpoint import load_checkpoint  # noqa: PLC0415
+        from ..train.load import load_checkpoint  # noqa: PLC0415
 
         ckpt = load_checkpoint(path, device)
         if ckpt.config.head.task != "none" and ckpt.config.model.arch != "encoder":

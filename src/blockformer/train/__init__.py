@@ -1,9 +1,10 @@
 """Training: the loop, and the small pieces it is made of (optimizer, schedules, loss,
 precision, checkpoints, metrics)."""
 
-from .checkpoint import Checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint, unwrap
-from .loop import TrainResult, train
 from ..nn.loss import token_loss
+from .checkpoint import resolve_checkpoint, save_checkpoint, unwrap
+from .load import Checkpoint, load_checkpoint
+from .loop import TrainResult, train
 from .optim import build_optimizer, param_groups
 from .schedule import constant, cosine, noam
 

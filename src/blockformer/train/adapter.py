@@ -4,7 +4,7 @@ A LoRA run saves only its adapters and its task head (``adapter.safetensors``, w
 metadata names the base checkpoint and holds a fingerprint of the base weights) instead of
 ``model.safetensors``; loading one rebuilds the base, checks the fingerprint (a base changed
 since the adapter was trained is refused; an adapter written before fingerprints loads as
-before) and lays these tensors over it (``checkpoint.load_weights``).
+before) and lays these tensors over it (``load.load_weights``).
 """
 
 from __future__ import annotations

@@ -22,14 +22,8 @@ from ..errors import UsageError
 from ..models import build_model
 from ..parallel.checkpoint import DCP_DIR, dcp_weights
 from ..paths import WEIGHTS, check_writable_dir
-from .checkpoint import (
-    load_tokenizer_for,
-    read_config,
-    resolve_checkpoint,
-    save_checkpoint,
-    step_checkpoints,
-    tokenizer_meta,
-)
+from .checkpoint import resolve_checkpoint, save_checkpoint, step_checkpoints
+from .load import load_tokenizer_for, read_config, tokenizer_meta
 
 SOURCES = "averaged_from.json"  # written next to the weights: which checkpoints were averaged
 

@@ -40,7 +40,8 @@ from ..run_config import RunConfig
 from .adapter import (ADAPTER, HEAD, LowRankRows, adapter_base, base_names, check_adapter_names, fingerprint_of,
                       marked_ties, recorded_fingerprint, refuse_changed_base)
 from .build import build_run_model
-from .checkpoint import InitReport, check_base_arch, load_matching, match_weights, read_config, resolve_checkpoint
+from .checkpoint import resolve_checkpoint
+from .load import InitReport, check_base_arch, load_matching, match_weights, read_config
 from .optim import param_groups
 
 _BLOCK = re.compile(r"(?:^|\.)(encoder|decoder)\.blocks\.(\d+)\.")

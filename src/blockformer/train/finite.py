@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import load_trainer_state, load_weights
+from .load import load_trainer_state, load_weights
 from .optim import kernel_kept
 
 

@@ -48,8 +48,6 @@ from ..run_config import RunConfig
 from ..stats import count_parameters, flops_per_token
 from .checkpoint import (
     best_checkpoint,
-    load_trainer_state,
-    load_weights,
     mark_best,
     prune,
     resolve_checkpoint,
@@ -60,6 +58,7 @@ from .checkpoint import (
 from .compile import compile_loss, resolve_compile
 from .finetune import init_sharded, lr_scale, parts_of, resume_in_parts, resumes_in_parts
 from .finite import diverged_message, finite_weights, restore_finite
+from .load import load_trainer_state, load_weights
 from .metrics import perplexity, plot_losses
 from .optim import build_optimizer, kernel_kept
 from .rng import get_rng_state, set_rng_state

@@ -39,7 +39,8 @@ from ..errors import UsageError
 from ..textformats import loads_json
 from ..paths import TMP_TAG, TRASH_TAG, check_writable_dir, replace_file, unlink_if_present as _unlink
 from ..run_config import RunConfig
-from .checkpoint import BEST, discard, read_config, recover, step_checkpoints
+from .checkpoint import BEST, discard, recover, step_checkpoints
+from .load import read_config
 from .metrics import METRICS, PLOT
 from .tracking import TENSORBOARD
 

@@ -28,11 +28,11 @@ from ..stats import check_run_fits
 from ..run_config import RunConfig
 from ..tokenizers import Tokenizer
 from .arrays import ArrayHead, ImageToText
-from .checkpoint import load_tokenizer_for, read_config
 from .classify import TaskHead
 from .compile import resolve_compile
 from .build import build_run_model
 from .finetune import build_model_for
+from .load import load_tokenizer_for, read_config
 from .mlm import MaskedLM
 from .objective import LanguageModelling, Objective, Seq2Seq
 

@@ -22,7 +22,7 @@ from ..errors import UsageError
 from ..generate import generate
 from ..probes.attention import capture
 from ..tokenizers import BOS_ID, UNK_ID
-from ..train.checkpoint import Checkpoint, load_checkpoint
+from ..train.load import Checkpoint, load_checkpoint
 
 MAX_TOKENS = 512  # the most tokens a page shows attention or next tokens for
 MAX_CHARS = 20_000  # longer text is refused before it is tokenized

@@ -215,9 +215,10 @@ def wanted(cfg: Any, runtime: Any, loads_whole: bool = False) -> bool:
     pipeline stages: a rank fills in its own stages' only), that does not load whole weights
     into the model before splitting it (``loads_whole``: a resume of an older tensor-parallel
     checkpoint on another layout, or an ``init_from`` LoRA checkpoint that ``finetune.parts_of``
-    cannot split: its base is another adapter, or lacks a tensor), merged whole; a resume from
-    ``dcp/`` or from one process's checkpoint, and an ``init_from`` of weights or of a LoRA
-    checkpoint over them, read each rank's part into the materialised model."""
+    cannot split: a base tensor of its model is missing from its base), merged whole; a resume
+    from ``dcp/`` or from one process's checkpoint, and an ``init_from`` of weights or of a LoRA
+    checkpoint over them (or over another LoRA checkpoint), read each rank's part into the
+    materialised model."""
     if not getattr(runtime, "parallel", False) or loads_whole:
         return False
     d = runtime.degrees

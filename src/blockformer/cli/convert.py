@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _consolidate(args: argparse.Namespace) -> int:
     from ..parallel.checkpoint import consolidate_checkpoint  # noqa: PLC0415
-    from ..train.checkpoint import resolve_checkpoint
+    from ..train.checkpoint import resolve_checkpoint  # noqa: PLC0415
     from ..train.load import read_config  # noqa: PLC0415
 
     for flag in ("out", "tokenizer", "base", "max_shard_size"):

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     elif not (args.checkpoint or args.preset or args.config):
         raise UsageError("info: expected --checkpoint DIR, --preset NAME, --config FILE or --peak")
     if args.checkpoint:
-        from ..train.checkpoint import resolve_checkpoint
+        from ..train.checkpoint import resolve_checkpoint  # noqa: PLC0415
         from ..train.load import read_config  # noqa: PLC0415
 
         if args.overrides:

@@ -222,7 +222,7 @@ def _load_unmerged(path: Path) -> tuple[nn.Module, str]:
     """A LoRA checkpoint's model with its adapters unmerged, and its base checkpoint's path."""
     from ..train.adapter import ADAPTER, read_adapter_base  # noqa: PLC0415
     from ..train.build import build_run_model  # noqa: PLC0415
-    from ..train.checkpoint import resolve_checkpoint
+    from ..train.checkpoint import resolve_checkpoint  # noqa: PLC0415
     from ..train.load import load_weights, read_config  # noqa: PLC0415
 
     path = resolve_checkpoint(path)

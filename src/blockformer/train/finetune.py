@@ -112,7 +112,7 @@ class _Adapted:
     base: Path  # the checkpoint its adapter was trained on, with model.safetensors or dcp/, or a LoRA one
     under: _Adapted | None  # the base's own plan where the base is a LoRA checkpoint too
     keys: dict[str, str]  # its name -> the base model's name for it
-    from_base: dict[str, list[str]]  # its name -> the names the base's file may hold it under
+    aliases: dict[str, list[str]]  # a base model name -> the names its file may hold it under (ties)
     stored: set[str]  # the names its adapter.safetensors holds
     layers: dict[str, LoRALinear]  # an adapted weight's name -> its (meta) layer: parts, scale, factor names
     fingerprinted: list[tuple[str, torch.dtype, torch.Size, bool]]  # base_fingerprint's entries, no values
@@ -155,7 +155,7 @@ def _adapted(source: Path, depth: int = 0) -> _Adapted | None:
     check_adapter_names(source / ADAPTER, stored, lora_model)
     entries = [(n, t.dtype, t.shape, tied) for n, t, tied in marked_ties(((n, tensors[n]) for n in names), id)]
     layers = {f"{prefix}.weight": m for prefix, m in lora_model.named_modules() if isinstance(m, LoRALinear)}
-    return _Adapted(source, base, under, keys, {n: aliases[k] for n, k in keys.items()}, stored, layers, entries)
+    return _Adapted(source, base, under, keys, aliases, stored, layers, entries)
 
 
 def _read_adapted(adapted: _Adapted, wanted: dict[str, tuple[torch.Tensor, str]], rows: RowOrder) -> None:
@@ -174,7 +174,7 @@ def _compose(adapted: _Adapted, wanted: dict[str, tuple[torch.Tensor, str]], row
     read_parts(adapted.directory, stored, rows, weights=ADAPTER)
     rest = {n: (t, k) for n, (t, k) in wanted.items() if n not in stored}
     if adapted.under is None:
-        read_parts(adapted.base, {n: (t, adapted.from_base[k]) for n, (t, k) in rest.items()}, rows)
+        read_parts(adapted.base, {n: (t, adapted.aliases[adapted.keys[k]]) for n, (t, k) in rest.items()}, rows)
     else:
         _compose(adapted.under, {n: (t, adapted.keys[k]) for n, (t, k) in rest.items()}, rows)
     add_parts({n: (t, _low_rank(adapted, k)) for n, (t, k) in wanted.items() if k in adapted.layers}, rows)
@@ -244,7 +244,7 @@ def _base_blocks(adapted: _Adapted, files: contextlib.ExitStack, block_elements:
         where, read = adapted.base / DCP_DIR, lambda key, shape: [whole(key)]
 
     def blocks(name: str, shape: torch.Size):
-        key = next((k for k in adapted.from_base[name] if k in present), None)
+        key = next((k for k in adapted.aliases[adapted.keys[name]] if k in present), None)
         if key is None:
             raise UsageError(f"{where}: holds no {name}; expected the weights written with its config.json")
         yield from read(key, shape)

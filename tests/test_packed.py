@@ -1,6 +1,8 @@
 """Matmul weights packed for the CPU kernel: the same products, the same greedy tokens,
 and a clear refusal where a packed weight cannot go (gradients, a compiled step)."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -122,14 +124,14 @@ def test_a_streamed_linear_takes_few_rows_through_its_kernel_and_computes_the_li
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_f32_kernel_computes_the_linear_at_any_rows(threads):
-    """Row blocks of 4 over 16-channel chunks (csrc/rows.h), with ragged last ones."""
+    """Row blocks of 4 over 16-channel chunks (csrc/rows.h), with ragged last ones; channels
+    4 at a time with a single last one (77 = 4 x 19 + 1), inputs 8 at a time with a tail (203)."""
     torch.manual_seed(0)
-    w, b = torch.randn(77, 200), torch.randn(77)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in (1, 3, 4, 5, 7, 9, 17, 33):
-            x = torch.randn(rows, 200)
+        for k, rows in itertools.product((200, 203), (1, 3, 4, 5, 7, 9, 17, 33)):
+            w, b, x = torch.randn(77, k), torch.randn(77), torch.randn(rows, k)
             torch.testing.assert_close(packed_module.f32_matmul(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(packed_module.f32_matmul(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-4)
     finally:

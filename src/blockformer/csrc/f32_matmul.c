@@ -2,35 +2,49 @@
  * and a plain row-major weight w (N, K). At one row a step reads each weight once and does one
  * multiply-add with it, so the product is bound by memory, not arithmetic; this streams each
  * thread's share of w once, in order, for all the rows, where torch's kernels at one row drew
- * under half the machine's bandwidth on an AVX2 CPU (BENCHMARKS.md). With AVX2 and FMA, 16
- * inputs at a time in registers; elsewhere plain C. Built at first use by blockformer.native
+ * under half the machine's bandwidth on an AVX2 CPU (BENCHMARKS.md). With AVX2 and FMA, four
+ * weight rows side by side, 8 inputs a step; elsewhere plain C. Built at first use by blockformer.native
  * with the machine's C compiler (and OpenMP where it has it).
  */
 #include <stddef.h>
 #include "rows.h"
 #if defined(__AVX2__) && defined(__FMA__)
 
+/* G output channels from o, for R rows: one accumulator per (row, channel), 8 inputs a step.
+ * The G weight rows are G streams read side by side: one row at a time kept too few loads in
+ * flight, and drew about 15% less of the bandwidth at one row (BENCHMARKS.md). */
+static inline __attribute__((always_inline)) void channels(const float *x, const float *w, const float *bias,
+                                                           float *y, int64_t o, int64_t K, int64_t N, const int R,
+                                                           const int G) {
+    const int64_t body = K - K % 8;
+    const float *wo = w + o * K;
+    __m256 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < G; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < body; k += 8) {
+        __m256 xs[4];
+        for (int r = 0; r < R; r++) xs[r] = _mm256_loadu_ps(x + r * K + k);
+        for (int c = 0; c < G; c++) {
+            const __m256 wc = _mm256_loadu_ps(wo + c * K + k);
+            for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(xs[r], wc, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < G; c++) {
+            float sum = hsum(acc[r][c]);
+            for (int64_t k = body; k < K; k++) sum += x[r * K + k] * wo[c * K + k];
+            y[r * N + o + c] = bias ? sum + bias[o + c] : sum;
+        }
+}
+
+/* 4 channels at a time, at every row count: at 3 and 4 rows too, where the accumulators no
+ * longer all fit the 16 AVX2 registers, it was faster than 2 (BENCHMARKS.md). */
 #define ROWS(R)                                                                                  \
     static void rows_##R(const float *x, const float *w, const float *bias, float *y, int64_t o0, \
                          int64_t o1, int64_t K, int64_t N) {                                    \
-        const int64_t body = K - K % 16;                                                       \
-        for (int64_t o = o0; o < o1; o++) {                                                    \
-            const float *wo = w + o * K;                                                       \
-            __m256 a[R], b[R];                                                                 \
-            for (int r = 0; r < R; r++) a[r] = b[r] = _mm256_setzero_ps();                     \
-            for (int64_t k = 0; k < body; k += 16) {                                           \
-                const __m256 w0 = _mm256_loadu_ps(wo + k), w1 = _mm256_loadu_ps(wo + k + 8);   \
-                for (int r = 0; r < R; r++) {                                                  \
-                    a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), w0, a[r]);         \
-                    b[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8), w1, b[r]);     \
-                }                                                                              \
-            }                                                                                  \
-            for (int r = 0; r < R; r++) {                                                      \
-                float acc = hsum(_mm256_add_ps(a[r], b[r]));                                   \
-                for (int64_t k = body; k < K; k++) acc += x[r * K + k] * wo[k];                \
-                y[r * N + o] = bias ? acc + bias[o] : acc;                                     \
-            }                                                                                  \
-        }                                                                                      \
+        int64_t o = o0;                                                                        \
+        for (; o + 4 <= o1; o += 4) channels(x, w, bias, y, o, K, N, R, 4);                    \
+        for (; o < o1; o++) channels(x, w, bias, y, o, K, N, R, 1);                            \
     }
 #else
 #define ROWS(R)                                                                                  \

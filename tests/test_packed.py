@@ -124,8 +124,9 @@ def test_a_streamed_linear_takes_few_rows_through_its_kernel_and_computes_the_li
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_f32_kernel_computes_the_linear_at_any_rows(threads):
-    """Row blocks of 4 over 16-channel chunks (csrc/rows.h), with ragged last ones; channels
-    4 at a time with a single last one (77 = 4 x 19 + 1), inputs 8 at a time with a tail (203)."""
+    """Row blocks of 4 over 16-channel chunks (csrc/rows.h), with ragged last ones; within a
+    chunk, channels 4 at a time and then one at a time (77 channels leave ragged chunks at 1
+    and 2 threads), inputs 8 at a time with a tail (203)."""
     torch.manual_seed(0)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

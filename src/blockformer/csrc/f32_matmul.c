@@ -3,8 +3,8 @@
  * multiply-add with it, so the product is bound by memory, not arithmetic; this streams each
  * thread's share of w once, in order, for all the rows, where torch's kernels at one row drew
  * under half the machine's bandwidth on an AVX2 CPU (BENCHMARKS.md). With AVX2 and FMA, four
- * weight rows side by side, 8 inputs a step; elsewhere plain C. Built at first use by blockformer.native
- * with the machine's C compiler (and OpenMP where it has it).
+ * weight rows side by side, 8 inputs a step; elsewhere plain C. Built at first use by
+ * blockformer.native with the machine's C compiler (and OpenMP where it has it).
  */
 #include <stddef.h>
 #include "rows.h"

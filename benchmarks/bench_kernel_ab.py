@@ -36,7 +36,7 @@ KERNELS = {"f32_matmul": ("f32_matmul_f32", torch.float32), "int8_matmul": ("int
 
 def build(kernel: str, base: str | None, folder: Path) -> Callable:
     """``kernel``'s entry point, built from ``base``'s sources (None: the working tree's)."""
-    src = folder / (base or "worktree")
+    src = folder / ("base" if base else "tree")  # a revision may hold slashes (origin/main)
     src.mkdir()
     for path in native.SOURCES.iterdir():  # the kernel and every header it may include
         if path.name == f"{kernel}.c" or path.suffix == ".h":

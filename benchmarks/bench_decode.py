@@ -17,11 +17,12 @@ slots; the decode step has fixed shapes, so ``torch.compile`` captures it once (
 replays it as a CUDA graph, removing per-kernel launch overhead, which dominates at batch
 1; on a CPU its kernels are called from C++, inductor's ``cpp_wrapper``, and
 ``compiled-python`` is the same step with torch's default Python wrapper); tokens stay on
-the device, with no host sync per token. ``packed`` stores the matmul weights in oneDNN's blocked layout once (``generate.pack_linears``, what the CLI does on a
-CPU): the same products at up to twice the speed for the few rows of a decode step, output
-checked identical to greedy here; where fp32 weights are not packed (AVX2), ``packed`` streams
-them through blockformer's C kernel instead (``StreamedLinear``), which ``packed-compiled``
-also compiles. ``matmuls alone`` times just the step's products with
+the device, with no host sync per token. ``packed`` stores the matmul weights in oneDNN's
+blocked layout once (``generate.pack_linears``, what the CLI does on a CPU): the same
+products at up to twice the speed for the few rows of a decode step, output checked
+identical to greedy here; where fp32 weights are not packed (AVX2), ``packed`` streams them
+through blockformer's C kernel instead (``StreamedLinear``), which ``packed-compiled`` also
+compiles. ``matmuls alone`` times just the step's products with
 plain ``torch.mm``, the ceiling of the unpacked kernels. Reading fewer bytes per token also
 helps on a CPU: the ``int8-*`` variants store the matmul weights as int8 with per-channel
 scales (weight-only quantization, as gpt-fast does), 4x fewer weight bytes than fp32; the

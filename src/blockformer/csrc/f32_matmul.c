@@ -12,7 +12,7 @@
 
 /* G output channels from o, for R rows: one accumulator per (row, channel), 8 inputs a step.
  * The G weight rows are G streams read side by side: one row at a time kept too few loads in
- * flight, and drew about 15% less of the bandwidth at one row (BENCHMARKS.md). */
+ * flight, and drew 10-15% less of the bandwidth at one row (BENCHMARKS.md). */
 static inline __attribute__((always_inline)) void channels(const float *x, const float *w, const float *bias,
                                                            float *y, int64_t o, int64_t K, int64_t N, const int R,
                                                            const int G) {

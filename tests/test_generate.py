@@ -245,6 +245,41 @@ def test_the_cpu_step_calls_its_kernels_from_cpp_unless_a_mode_is_given(monkeypa
     assert seen == [(None, {"cpp_wrapper": True}), ("default", None)]
 
 
+def test_the_compiled_step_checks_its_guards_on_the_first_token_of_each_generation_only(monkeypatch):
+    from torch._dynamo.eval_frame import _is_skip_guard_eval_unsafe_stance
+
+    from blockformer.generate import step as step_module
+
+    skipped = []
+
+    def compile(fn, **kw):
+        def recording(*args):
+            skipped.append(_is_skip_guard_eval_unsafe_stance())
+            return fn(*args)
+
+        return recording
+
+    monkeypatch.setattr(step_module, "_COMPILED", {})
+    monkeypatch.setattr(step_module.torch, "compile", compile)
+    model, eager = make(), generate(make(), PROMPTS, 4, temperature=0)
+    assert generate(model, PROMPTS, 4, temperature=0, compile=True) == eager  # 3 steps after the prefill
+    assert generate(model, PROMPTS, 4, temperature=0, compile=True) == eager
+    assert skipped == [False, True, True] * 2
+    skipped.clear()
+    with torch.compiler.set_stance("force_eager"):  # a stance the user set is kept
+        assert generate(model, PROMPTS, 4, temperature=0, compile=True) == eager
+    assert skipped == [False, False, False]
+
+
+@pytest.mark.slow
+def test_a_compiled_step_with_unchecked_guards_still_follows_each_generations_shapes():
+    torch.compiler.reset()
+    model = make("rope", n_kv_heads=2)
+    runs = [(PROMPTS, 8), (PROMPTS, 12), (PROMPTS[:1], 8), (PROMPTS, 8)]  # other cache lengths, batch sizes
+    for prompts, n in runs:
+        assert generate(model, prompts, n, temperature=0, compile=True) == generate(model, prompts, n, temperature=0)
+
+
 @pytest.mark.slow
 def test_cuda_graph_mode_reuses_one_static_cache_per_model():
     # On CPU the CUDA graph itself is skipped, but the static-cache bookkeeping runs.

@@ -45,8 +45,8 @@ def build(kernel: str, base: str | None, folder: Path) -> Callable:
                 ["git", "-C", str(REPO), "show", f"{base}:{rel}"], capture_output=True, check=True).stdout
             (src / path.name).write_bytes(text)
     lib = src / f"{kernel}.so"
-    subprocess.run([native._compiler(), *native.CFLAGS, *native.arch_flags(), "-fopenmp", "-o", str(lib),
-                    str(src / f"{kernel}.c"), "-lm"], check=True)
+    flags = [*native.CFLAGS, *native.arch_flags(), "-fopenmp"]  # as native.load builds it
+    subprocess.run(native.compile_command(src / f"{kernel}.c", lib, flags), check=True)
     fn = getattr(ctypes.CDLL(str(lib)), KERNELS[kernel][0])
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     fn.restype = None

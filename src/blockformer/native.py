@@ -123,6 +123,11 @@ def _compiler() -> str:
     raise RuntimeError(f"no C compiler: {' or '.join(map(repr, names))} is not on PATH (set CC)")
 
 
+def compile_command(source: Path, output: Path, flags: list[str]) -> list[str]:
+    """The command line that builds the C file ``source`` into the shared library ``output``."""
+    return [_compiler(), *flags, "-o", str(output), str(source), "-lm"]
+
+
 def _built(source: Path, filename: str, flags: list[str]) -> Path:
     """The shared library ``filename``, compiled now if no earlier run left it."""
     for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"blockformer-kernels-{os.getuid()}"):
@@ -133,14 +138,13 @@ def _built(source: Path, filename: str, flags: list[str]) -> Path:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError:
             continue
-        cc = _compiler()
         tmp = folder / f".{filename}.{os.getpid()}"
-        done = subprocess.run([cc, *flags, "-o", str(tmp), str(source), "-lm"], capture_output=True, text=True,
-                              timeout=120)
+        command = compile_command(source, tmp, flags)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             tmp.unlink(missing_ok=True)
             said = [line for line in done.stderr.splitlines() if "error" in line] or [f"exit {done.returncode}"]
-            raise RuntimeError(f"{cc} failed: {said[0].strip()}")
+            raise RuntimeError(f"{command[0]} failed: {said[0].strip()}")
         os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same bytes
         return lib
     raise RuntimeError(f"no writable folder for the built kernel ({_cache_dir()})")

@@ -125,6 +125,29 @@ def test_without_a_compiler_the_engine_warns_and_falls_back(monkeypatch, tmp_pat
         paged_attention.kernel.cache_clear()
 
 
+def test_a_compiler_that_fails_is_named_with_its_first_error_line_and_leaves_no_library(monkeypatch, tmp_path):
+    cc = tmp_path / "broken-cc"
+    cc.write_text("\n".join([
+        "#!/bin/sh",
+        'while [ $# -gt 0 ]; do [ "$1" = -o ] && echo half > "$2"; shift; done',  # a partial output file
+        "echo 'note: ignored' >&2",
+        "echo 'kernel.c:3: error: no such type' >&2",
+        "echo 'kernel.c:9: error: later' >&2",
+        "exit 1", ""]))
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    native.load.cache_clear()
+    try:
+        said = r"paged_attention: .*broken-cc failed: kernel.c:3: error: no such type"
+        with pytest.warns(RuntimeWarning, match=said):
+            assert native.load("paged_attention") is None
+        assert not list((tmp_path / "cache").rglob("*paged_attention*"))  # no half-written library left behind
+    finally:
+        native.load.cache_clear()
+
+
 def test_the_kernels_split_their_work_on_torchs_own_openmp_runtime():
     """A kernel's threads are torch's (waking them costs microseconds; a Python thread pool
     of their own cost 140 us a call): each library is linked against libgomp.so.1, and a

@@ -13,7 +13,7 @@ from blockformer.config import TransformerConfig
 from blockformer.generate import generate, greedy_decode, quantize
 from blockformer.models import build_model
 from blockformer.models.heads import SequenceHead, TaskModel
-from blockformer.nn.lora import LoRALinear, apply_lora, merge_lora, unload_lora, unmerge_lora
+from blockformer.nn.lora import LoRALinear, apply_lora, low_rank_product, merge_lora, unload_lora, unmerge_lora
 from blockformer.run_config import LoraConfig, RunConfig, load_run_config
 from blockformer.stats import count_parameters
 from blockformer.tokenizers import train_tokenizer
@@ -67,6 +67,25 @@ def test_merged_equals_unmerged_and_unmerge_restores_the_base(rslora):
     for k, v in base.items():
         torch.testing.assert_close(model.state_dict()[k], v, atol=1e-6, rtol=0)
     torch.testing.assert_close(model(tokens), adapted, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rank", [2, 8])
+def test_the_low_rank_update_rounds_each_element_alike_in_any_block_of_rows_or_columns(rank):
+    # Merged weights are hashed, and composed a few rows at a time on one rank and whole on another:
+    # each element must be the same sum, rounded the same way, whatever the block (a BLAS matmul is not:
+    # MKL on an AMD EPYC rounds 1-3 rows otherwise than the whole matrix).
+    g = torch.Generator().manual_seed(0)
+    b, a = torch.randn(97, rank, generator=g), torch.randn(rank, 300, generator=g)
+    whole = low_rank_product(b, a)
+    expected = b[:, :1].numpy() * a[:1].numpy()  # numpy's own float32 ops, the rank in order, each rounded once
+    for k in range(1, rank):
+        expected = expected + b[:, k:k + 1].numpy() * a[k:k + 1].numpy()
+    assert torch.equal(whole, torch.from_numpy(expected))
+    for rows in (1, 2, 3, 7, 64):
+        assert torch.equal(torch.cat([low_rank_product(b[i:i + rows], a) for i in range(0, 97, rows)]), whole), rows
+    assert torch.equal(low_rank_product(b, a[:, 5:17]), whole[:, 5:17])
+    torch.testing.assert_close(low_rank_product(b.bfloat16(), a.bfloat16()), (b.bfloat16().float() @ a.bfloat16().float()),
+                               atol=1e-5, rtol=1e-5)  # bf16 factors: multiplied and summed in fp32
 
 
 def test_gate_and_up_adapt_their_own_halves_of_the_fused_matrix():

@@ -84,7 +84,7 @@ class LoRALinear(nn.Linear):
 
     def delta(self, name: str) -> torch.Tensor:
         """The update ``scale * B A`` of one part: (rows, in_features)."""
-        return self.scale * (self.lora_B[name] @ self.lora_A[name])
+        return self.scale * low_rank_product(self.lora_B[name], self.lora_A[name])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
@@ -164,6 +164,31 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
     if count == 0:
         raise ValueError(f"lora.targets={cfg.targets}: matched no projection of this model")
     return count
+
+
+_CHUNK_ELEMENTS = 1 << 18  # 1 MiB of fp32 rows accumulated at a time: they stay in cache over the rank
+
+
+def low_rank_product(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``b @ a`` for ``b`` (rows, r) and ``a`` (r, cols), rounded alike whatever block of rows
+    is computed and on whatever CPU or device: merged weights are hashed (the base fingerprint
+    of a LoRA checkpoint over another), and one process merges a weight whole while another
+    composes the same rows a block at a time. A BLAS sums over the rank in an order that
+    depends on the shape and the CPU (MKL on an AMD EPYC rounds 1-3 rows otherwise than the
+    whole matrix), so the sum is taken here one rank-1 product at a time, in rank order, each
+    product and each sum rounded once; in fp32 for lower precisions. 1.5x a matmul's time at
+    rank 8 and 10x at rank 64 on a 4096 x 4096 weight (0.15 s on 2 cores), paid once per merge."""
+    dtype = torch.promote_types(b.dtype, torch.float32)
+    b, a = b.to(dtype), a.to(dtype)
+    out = torch.empty(b.shape[0], a.shape[1], dtype=dtype, device=b.device)
+    step = max(1, _CHUNK_ELEMENTS // max(1, a.shape[1]))
+    for first in range(0, b.shape[0], step):
+        rows, o = b[first: first + step], out[first: first + step]
+        torch.mul(rows[:, :1], a[:1], out=o)
+        term = torch.empty_like(o)
+        for k in range(1, a.shape[0]):
+            o.add_(torch.mul(rows[:, k: k + 1], a[k: k + 1], out=term))
+    return out
 
 
 def lora_layers(model: nn.Module) -> list[LoRALinear]:

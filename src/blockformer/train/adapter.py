@@ -21,7 +21,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..models.heads import TaskModel
-from ..nn.lora import LORA_MARK, LoRALinear, adapter_state, lora_layers
+from ..nn.lora import LORA_MARK, LoRALinear, adapter_state, lora_layers, low_rank_product
 from ..run_config import RunConfig
 
 ADAPTER = "adapter.safetensors"
@@ -182,5 +182,5 @@ class LowRankRows:
             lo, hi = max(first, start), min(end, stop)
             if lo < hi:
                 a, b = self.factors[name]
-                block[lo - first: hi - first] = self.scale * (b[lo - start: hi - start] @ a[:, cols])
+                block[lo - first: hi - first] = self.scale * low_rank_product(b[lo - start: hi - start], a[:, cols])
         return block

@@ -180,7 +180,8 @@ def test_which_dtypes_pack_on_which_cpu(monkeypatch, features, bf16, fp32):
 
 @pytest.mark.parametrize("features, streams", [
     ({}, True),  # AVX2 alone: the C kernel, twice torch.mm's pace there
-    ({"avx512": True}, False),  # packed for oneDNN instead
+    ({"avx512": True, "avx512_bf16": True}, True),  # packed when eager; a compiled step streams (1.8x F.linear)
+    ({"avx512": True}, True),
     ({"avx512": True, "amx": True}, False),  # neither: F.linear streamed faster than both
 ])
 def test_which_cpus_stream_fp32_decode_matmuls_through_the_c_kernel(monkeypatch, features, streams):

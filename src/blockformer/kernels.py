@@ -79,20 +79,22 @@ def packs_on_this_cpu(dtype: torch.dtype) -> bool:
     """Pack bf16 weights on AVX512-BF16 or AMX, and fp32 on AVX-512 without AMX: about twice as
     fast at a decode step's few rows on an AVX512-BF16 EPYC (BENCHMARKS.md "Kernel choices"). On
     an AMX Xeon packed fp32 decoded GPT-2 small at 0.85x ``F.linear``'s pace (bf16 packed at 1.33x),
-    so fp32 stays ``F.linear`` there; AVX2-only CPUs do not pack (``streams_decode_matmuls``)."""
+    so fp32 stays ``F.linear`` there; AVX2-only CPUs do not pack, and a compiled step reads no packed
+    weight (both stream instead: ``streams_decode_matmuls``)."""
     if dtype == torch.bfloat16:
         return cpu_has("_is_avx512_bf16_supported") or cpu_has("_is_amx_tile_supported")
     return dtype == torch.float32 and cpu_has("_is_avx512_supported") and not cpu_has("_is_amx_tile_supported")
 
 
-# fp32 weights on a CPU without AVX-512 take blockformer's few-row kernel (csrc/f32_matmul.c,
-# generate/packed.py StreamedLinear): on an AVX2-only EPYC it streamed a GPT-2-small step's weights at
-# 18.7 GB/s where torch.mm at one row drew 9.0 (BENCHMARKS.md "Decode speed on an AVX2-only CPU"). On
-# AMX Xeons torch's F.linear streamed faster than the kernel (27 against 21-24 GB/s, two hosts), so
-# AVX-512 CPUs that do not pack keep F.linear.
+# fp32 weights that are not packed take blockformer's few-row kernel (csrc/f32_matmul.c, generate/packed.py
+# StreamedLinear) on every CPU without AMX: on an AVX2-only EPYC it streamed a GPT-2-small step's weights at
+# 18.7 GB/s where torch.mm at one row drew 9.0; on an AVX512-BF16 EPYC (Zen 4), where eager decoding packs
+# them instead, a compiled step cannot read packed weights, and streamed it decoded GPT-2 small at 1.8x
+# F.linear's pace (BENCHMARKS.md "fp32 decoding on an AVX512-BF16 EPYC"). On AMX Xeons torch's F.linear
+# streamed faster than the kernel (27 against 21-24 GB/s, two hosts), so they keep F.linear.
 def streams_decode_matmuls(dtype: torch.dtype) -> bool:
     """Whether a decoding model's unpacked fp32 linears go through blockformer's C kernel at a step's few rows."""
-    return dtype == torch.float32 and not cpu_has("_is_avx512_supported")
+    return dtype == torch.float32 and not cpu_has("_is_amx_tile_supported")
 
 
 # --- serving (serve/runner.py) ------------------------------------------------------------

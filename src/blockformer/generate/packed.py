@@ -13,8 +13,8 @@ step before generation (``prepare_for_decoding(..., pack=True)``, which the CLI 
 Packing is used only where ``kernels.packs_on_this_cpu`` says it was measured to pay, with
 a torch built with oneDNN and a probe product equal to ``F.linear``'s.
 
-Where fp32 weights are not packed on a CPU without AVX-512 (AVX2), ``StreamedLinear`` takes the few-row
-products instead: ``csrc/f32_matmul.c`` streams the plain weight once for all the rows, at
+Where fp32 weights are not packed on a CPU without AMX (AVX2 always; AVX-512 for a compiled step, which
+cannot read packed weights), ``StreamedLinear`` takes the few-row products instead: ``csrc/f32_matmul.c`` streams the plain weight once for all the rows, at
 about twice the bandwidth torch's matmul draws at one row there. Its weight stays a plain
 tensor, so it can be compiled (the kernel is then ``torch.ops.blockformer.f32_matmul``). On
 an AMX CPU fp32 weights are neither packed nor streamed: torch's own ``F.linear`` was faster.
@@ -120,7 +120,7 @@ class StreamedLinear(nn.Linear):
 def pack_linears(model: nn.Module, compiled: bool = False) -> nn.Module:
     """Replace every plain ``nn.Linear`` of a CPU ``model`` in place by a ``PackedLinear``
     where its dtype packs (``can_pack``; not if the step will be ``compiled``: it could not
-    read the packed weight), else by a ``StreamedLinear`` where
+    read the packed weight), else (compiled steps too) by a ``StreamedLinear`` where
     ``kernels.streams_decode_matmuls`` picks it; others are left as they are. Returns
     ``model``, in eval mode."""
     check_model(model)
@@ -128,8 +128,8 @@ def pack_linears(model: nn.Module, compiled: bool = False) -> nn.Module:
     def make(linear: nn.Linear) -> nn.Module | None:  # not subclasses: LoRA adds adapters to its product
         if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
             return None
-        if can_pack(linear.weight.dtype):
-            return None if compiled else PackedLinear(linear)
+        if can_pack(linear.weight.dtype) and not compiled:
+            return PackedLinear(linear)
         return StreamedLinear.of(linear) if kernels.streams_decode_matmuls(linear.weight.dtype) else None
 
     swap_linears(model, make)

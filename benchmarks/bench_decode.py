@@ -22,7 +22,8 @@ blocked layout once (``generate.pack_linears``, what the CLI does on a CPU): the
 products at up to twice the speed for the few rows of a decode step, output checked
 identical to greedy here; where fp32 weights are not packed (AVX2), ``packed`` streams them
 through blockformer's C kernel instead (``StreamedLinear``), which ``packed-compiled`` also
-compiles. ``matmuls alone`` times just the step's products with
+compiles. ``streamed`` and ``streamed-compiled`` take that C kernel on any CPU, to weigh
+it against the CLI's pick on the CPU at hand. ``matmuls alone`` times just the step's products with
 plain ``torch.mm``, the ceiling of the unpacked kernels. Reading fewer bytes per token also
 helps on a CPU: the ``int8-*`` variants store the matmul weights as int8 with per-channel
 scales (weight-only quantization, as gpt-fast does), 4x fewer weight bytes than fp32; the
@@ -49,7 +50,8 @@ import torch
 from common import add_shape_args, cpu_kind, gpt2_config, hf_gpt2, timed
 
 from blockformer.generate import generate, pack_linears, speculative_generate
-from blockformer.generate.packed import PackedLinear
+from blockformer.generate.linears import swap_linears
+from blockformer.generate.packed import PackedLinear, StreamedLinear
 from blockformer.generate.quantize import Int4Linear, Int8Linear, quantize
 from blockformer.train.throughput import format_bytes_per_s, memory_bandwidth
 
@@ -73,7 +75,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft-checkpoint", default=None, help="speculative: a trained draft for --checkpoint")
     p.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     p.add_argument("--skip", nargs="*", default=[],
-                   choices=["nocache", "cache", "compiled", "compiled-python", "packed", "packed-compiled", "matmuls",
+                   choices=["nocache", "cache", "compiled", "compiled-python", "packed", "packed-compiled", "streamed",
+                            "streamed-compiled", "matmuls",
                             "int8-cache", "int8-compiled", "int4-cache", "int4-compiled", "speculative", "hf"],
                    help="variants to leave out (nocache is slow: it recomputes the whole sequence)")
     return p.parse_args()
@@ -121,6 +124,8 @@ def main() -> None:
         "compiled-python": dict(use_cache=True, compile=True, compile_mode="default"),  # torch's own wrapper
         "packed": dict(use_cache=True),
         "packed-compiled": dict(use_cache=True, compile=True),
+        "streamed": dict(use_cache=True),
+        "streamed-compiled": dict(use_cache=True, compile=True),
         "int8-cache": dict(use_cache=True),
         "int8-compiled": dict(use_cache=True, compile=True),
         "int4-cache": dict(use_cache=True),
@@ -143,6 +148,9 @@ def main() -> None:
             torch._dynamo.reset()
         if name.startswith("packed"):  # the same weights laid out for the CPU's few-row kernels, as the CLI does
             ours = pack_linears(copy.deepcopy(float_model), compiled="compiled" in name)
+        if name.startswith("streamed"):  # csrc/f32_matmul.c on any CPU, to weigh it against the CLI's pick
+            ours = copy.deepcopy(float_model)
+            swap_linears(ours, lambda m: StreamedLinear.of(m) if type(m) is torch.nn.Linear else None)
 
         def run(tokens: int = n, kw=kw) -> list[list[int]]:
             out = generate(ours, prompt, tokens, temperature=0, **kw)
@@ -152,8 +160,8 @@ def main() -> None:
         run(n if "compiled" in name else min(n, 8))  # warm-up (the compiled step's shapes depend on n)
         results[f"blockformer {name}"] = B * n / timed(run, device, args.repeats)
         step_bytes[f"blockformer {name}"] = weight_bytes(ours)
-        if name.startswith("packed"):
-            assert run() == expected(), "packed weights must give plain greedy's tokens"
+        if name.startswith(("packed", "streamed")):
+            assert run() == expected(), "packed or streamed weights must give plain greedy's tokens"
             notes[f"blockformer {name}"] = "output identical to greedy"
 
     if "matmuls" not in args.skip:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockformer.generate.packed import f32_matmul
+from blockformer.generate.packed import PackedLinear, can_pack, f32_matmul
 from blockformer.generate.quantize import Int4Linear, Int8Linear, int4_matmul, int8_matmul
 from blockformer.train.throughput import format_bytes_per_s, memory_bandwidth
 
@@ -38,7 +38,7 @@ def variants(linears: list[nn.Linear]) -> dict[str, tuple[int, list[Callable]]]:
     fp32_bytes = sum(m.weight.numel() * 4 for m in linears)
     int8_bytes = sum(q.weight.numel() + q.scales.numel() * 4 for q in int8)
     int4_bytes = sum(q.codes.numel() + (q.scales.numel() + q.zeros.numel()) * 4 for q in int4)
-    return {
+    table = {
         "fp32, torch F.linear": (fp32_bytes, [lambda x, m=m: F.linear(x, m.weight, m.bias) for m in linears]),
         "fp32, csrc/f32_matmul.c": (fp32_bytes, [lambda x, m=m: f32_matmul(x, m.weight, m.bias) for m in linears]),
         "int8, torch _weight_int8pack_mm": (int8_bytes, [
@@ -51,6 +51,9 @@ def variants(linears: list[nn.Linear]) -> dict[str, tuple[int, list[Callable]]]:
         "int4, csrc/int4_matmul.c": (int4_bytes, [
             lambda x, q=q: int4_matmul(x, q.codes, q.scales, q.zeros, q.group_size) for q in int4]),
     }
+    if can_pack(torch.float32):  # where kernels.packs_on_this_cpu picks oneDNN's blocked layout for fp32
+        table["fp32, oneDNN packed (PackedLinear)"] = (fp32_bytes, [PackedLinear(m) for m in linears])
+    return table
 
 
 def best_pass(products: list[Callable], xs: dict[int, torch.Tensor], ins: list[int], repeats: int) -> float:

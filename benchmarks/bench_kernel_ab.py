@@ -8,6 +8,7 @@ largest difference from torch's product on the first weight.
 
     OMP_NUM_THREADS=2 python benchmarks/bench_kernel_ab.py --kernel f32_matmul --base HEAD~1
     ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=2 python benchmarks/bench_kernel_ab.py --kernel int8_matmul --base main
+    OMP_NUM_THREADS=2 python benchmarks/bench_kernel_ab.py --kernel int4_matmul --rows 1,4
 """
 
 from __future__ import annotations
@@ -27,11 +28,38 @@ from bench_kernels import shapes
 from common import cpu_kind
 
 from blockformer import native
+from blockformer.generate.quantize import pack_int4
 
 REPO = Path(__file__).resolve().parents[1]
-# kernel -> (its symbol, the dtype of its weight): the second pointer after x is a per-output
-# bias (f32) or scale (int8)
-KERNELS = {"f32_matmul": ("f32_matmul_f32", torch.float32), "int8_matmul": ("int8_matmul_f32", torch.int8)}
+GROUP = 128  # int4: inputs per scale and offset, as Int4Linear's default
+
+
+def f32_case(i: int, o: int, rows: int):
+    """One weight's (tensors, the kernel's arguments but the thread count, torch's product, weight bytes)."""
+    x, w, b, y = torch.randn(rows, i), torch.randn(o, i), torch.randn(o), torch.empty(rows, o)
+    return (x, w, b, y), [x, w, b, y, rows, i, o], lambda: F.linear(x, w, b), w.numel() * 4
+
+
+def int8_case(i: int, o: int, rows: int):
+    x, w, s, y = torch.randn(rows, i), torch.randint(-127, 128, (o, i), dtype=torch.int8), torch.rand(o) / 100, \
+        torch.empty(rows, o)
+    return (x, w, s, y), [x, w, s, y, rows, i, o], lambda: F.linear(x, w.float()) * s, w.numel()
+
+
+def int4_case(i: int, o: int, rows: int):
+    q = torch.randint(0, 16, (o, i), dtype=torch.uint8)
+    scales, zeros = torch.rand(o, i // GROUP) / 100, torch.randn(o, i // GROUP) / 100
+    x, y, sums, codes = torch.randn(rows, i), torch.empty(rows, o), torch.empty(rows, i // GROUP), pack_int4(q)
+    dense = ((q.float() - 8).reshape(o, -1, GROUP) * scales[..., None] + zeros[..., None]).reshape(o, i)
+    return (x, codes, scales, zeros, y, sums), [x, codes, scales, zeros, y, sums, rows, i, GROUP, o], \
+        lambda: F.linear(x, dense), codes.numel() + (scales.numel() + zeros.numel()) * 4
+
+
+# kernel -> (its symbol, how many pointer and integer arguments it takes, one weight's case, the index
+# of the output among the case's tensors)
+KERNELS = {"f32_matmul": ("f32_matmul_f32", (4, 4), f32_case, 3),
+           "int8_matmul": ("int8_matmul_f32", (4, 4), int8_case, 3),
+           "int4_matmul": ("int4_matmul_f32", (6, 5), int4_case, 4)}
 
 
 def build(kernel: str, base: str | None, folder: Path) -> Callable:
@@ -47,8 +75,9 @@ def build(kernel: str, base: str | None, folder: Path) -> Callable:
     lib = src / f"{kernel}.so"
     flags = [*native.CFLAGS, *native.arch_flags(), "-fopenmp"]  # as native.load builds it
     subprocess.run(native.compile_command(src / f"{kernel}.c", lib, flags), check=True)
-    fn = getattr(ctypes.CDLL(str(lib)), KERNELS[kernel][0])
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    symbol, (pointers, ints), *_ = KERNELS[kernel]
+    fn = getattr(ctypes.CDLL(str(lib)), symbol)
+    fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * ints
     fn.restype = None
     return fn
 
@@ -63,11 +92,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    dtype = KERNELS[args.kernel][1]
-    weights = [torch.randn(o, i) if dtype == torch.float32 else torch.randint(-127, 128, (o, i), dtype=dtype)
-               for i, o in shapes()]
-    per_out = [torch.randn(o) if dtype == torch.float32 else torch.rand(o) / 100 for _, o in shapes()]
-    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    _, _, case, out = KERNELS[args.kernel]
+    nbytes = sum(case(i, o, 1)[3] for i, o in shapes())
     with tempfile.TemporaryDirectory() as tmp:
         fns = {"base": build(args.kernel, args.base, Path(tmp)), "tree": build(args.kernel, None, Path(tmp))}
         print(f"{args.kernel}: working tree against {args.base}, {cpu_kind()} CPU, {args.threads} thread(s), "
@@ -76,10 +102,9 @@ def main() -> None:
         print(f"| rows | {args.base}: ms, GB/s | working tree: ms, GB/s | speedup | largest difference from torch |")
         print("| ---: | ---: | ---: | ---: | --- |")
         for rows in (int(r) for r in args.rows.split(",")):
-            xs = {k: torch.randn(rows, k) for k, _ in shapes()}
-            ys = [torch.empty(rows, o) for _, o in shapes()]
-            calls = [(xs[i].data_ptr(), w.data_ptr(), s.data_ptr(), y.data_ptr(), rows, i, o, args.threads)
-                     for (i, o), w, s, y in zip(shapes(), weights, per_out, ys)]
+            cases = [case(i, o, rows) for i, o in shapes()]  # each weight its own tensors, as in a decode step
+            calls = [tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in c[1]) + (args.threads,)
+                     for c in cases]
             best = dict.fromkeys(fns, float("inf"))
             for n in range(2 * args.passes + 1):  # the first pass warms up
                 for name in (("base", "tree") if n % 2 else ("tree", "base")):
@@ -88,12 +113,11 @@ def main() -> None:
                         fns[name](*call)
                     if n:
                         best[name] = min(best[name], time.perf_counter() - start)
-            x, w, s = xs[weights[0].shape[1]], weights[0], per_out[0]
-            ref = F.linear(x, w, s) if dtype == torch.float32 else F.linear(x, w.float()) * s
+            tensors, _, reference, _ = cases[0]
             errors = []
             for name, fn in fns.items():
                 fn(*calls[0])
-                errors.append(f"{name} {(ys[0] - ref).abs().max().item():.1e}")
+                errors.append(f"{name} {(tensors[out] - reference()).abs().max().item():.1e}")
             print(f"| {rows} | {best['base'] * 1e3:.2f}, {nbytes / best['base'] / 1e9:.1f} | "
                   f"{best['tree'] * 1e3:.2f}, {nbytes / best['tree'] / 1e9:.1f} | "
                   f"{best['base'] / best['tree']:.3f}x | {', '.join(errors)} |", flush=True)

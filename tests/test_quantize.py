@@ -118,6 +118,25 @@ def test_decode_rows_in_fp32_go_through_the_c_kernels_and_equal_the_dequantized_
     assert calls == [(q.out_features, threads)] * 2 * (len(ROWS) - 1)
 
 
+@pytest.mark.parametrize("in_c", [True, False])
+@pytest.mark.parametrize("layer,bits", [(lambda: Int8Linear(nn.Linear(200, 77).to(torch.bfloat16)), 8),
+                                        (lambda: Int4Linear(nn.Linear(192, 50).to(torch.bfloat16), group_size=64), 4)])
+def test_bf16_int8_decode_rows_take_the_c_kernel_in_fp32_on_a_cpu_without_amx(layer, bits, in_c, monkeypatch):
+    # There torch's bf16 int8 kernel was the slower (BENCHMARKS.md); its int4 one was not, and AMX CPUs, not
+    # measured, keep torch's. Either way the product is the dequantized one, rounded to bf16.
+    monkeypatch.setattr(QUANTIZE.kernels, "INT8_BF16_IN_C", in_c)
+    calls = count_kernel_calls(monkeypatch)
+    torch.manual_seed(0)
+    q = layer()
+    for rows in (1, 3, 6):
+        x = torch.randn(rows, q.in_features, dtype=torch.bfloat16)
+        y = q(x)
+        exact = x.float() @ q.dequantized(torch.float32).T + q.bias.float()
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), exact, atol=0.02, rtol=0.01)  # a bf16 rounding of the output
+    assert len(calls) == (3 if in_c and bits == 8 else 0)
+
+
 @pytest.mark.parametrize("cap,flags", [("default", []), ("avx2", ["-mavx2", "-mfma"])])  # plain C; intrinsics
 def test_each_build_of_the_c_kernels_equals_the_dequantized_product(cap, flags, monkeypatch):
     """The kernels as built for a CPU without AVX2 (the plain C bodies) and for one with it: each
@@ -201,3 +220,17 @@ def test_prepare_for_decoding_checks_its_arguments():
     with pytest.raises(ValueError, match="quantize scheme='int2'"):
         prepare_for_decoding(model, "fp32", "int2")
     assert prepare_for_decoding(model, "fp32") is model and model.head.weight.dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_a_compiled_bf16_int8_step_takes_the_c_kernel_and_decodes_as_eager(monkeypatch):
+    monkeypatch.setattr(QUANTIZE.kernels, "INT8_BF16_IN_C", True)  # a CPU without AMX, as measured
+    torch.compiler.reset()
+    cfg = TransformerConfig(arch="decoder", vocab_size=50, d_model=64, n_layers=2, n_heads=4, init_std=0.1)
+    model = prepare_for_decoding(build_model(cfg, seed=0).eval(), "bf16", "int8")
+    calls = count_kernel_calls(monkeypatch)
+    prompts = [[5, 9, 2, 7], [1, 2, 3, 4]]
+    eager = generate(model, prompts, 8, temperature=0)
+    assert len(calls) == 8 * (2 * 4 + 1)  # the prompt and 7 steps, each through every quantized layer
+    assert generate(model, prompts, 8, temperature=0, compile=True) == eager
+    assert len(calls) - 8 * (2 * 4 + 1) >= 7 * (2 * 4 + 1), len(calls)  # the compiled steps called the kernel too

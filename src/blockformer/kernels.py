@@ -117,13 +117,28 @@ def paged_decode_kernel(dtype: torch.dtype, device: torch.device) -> bool:
 # activations, and the dense path dequantizes every weight per call. On an AVX2-only EPYC, GPT-2-small
 # decoding ran at 2.6-3.0x (int8) and 2.4-2.9x (int4) Hugging Face's fp32 (BENCHMARKS.md "Decode speed on an
 # AVX2-only CPU"); at 256 rows the dense path overtook the kernel on a 768x3072 weight (13 ms against 17 int8).
-# bf16 activations keep torch's packed kernels for a decode step's few rows.
+# bf16 activations, widened to fp32 for the product, take the int8 kernel too on CPUs without AMX: on an
+# AVX512-BF16 EPYC, GPT-2 small decoded with int8 weights at 86-105 tok/s compiled against 70-72 for
+# torch's bf16 kernel, alternated in one hour; int4 went the other way (62-94 against 91-120), so bf16 int4
+# keeps torch's kernel, as do AMX CPUs, where neither was measured (BENCHMARKS.md "Decoding on an
+# AVX512-BF16 EPYC").
 NATIVE_QUANTIZED_ROWS = 128
 
 
-def native_quantized_matmul(dtype: torch.dtype, rows: int) -> bool:
-    """Whether a quantized layer's product of ``rows`` rows uses blockformer's C kernel (fp32 activations)."""
-    return dtype == torch.float32 and rows <= NATIVE_QUANTIZED_ROWS
+def bf16_rows_in_c_kernels() -> bool:
+    """Whether bf16 activations take the int8 C kernel: on CPUs without AMX."""
+    return not cpu_has("_is_amx_tile_supported")
+
+
+# Probed once, at import: a compiled decode step reads it as a constant (dynamo cannot call torch's CPU probes).
+INT8_BF16_IN_C = bf16_rows_in_c_kernels()
+
+
+def native_quantized_matmul(dtype: torch.dtype, rows: int, bits: int) -> bool:
+    """Whether a ``bits``-bit quantized layer's product of ``rows`` rows uses blockformer's C kernel (in fp32)."""
+    if rows > NATIVE_QUANTIZED_ROWS:
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and bits == 8 and INT8_BF16_IN_C)
 
 
 # --- precision "auto" (precision.py) -----------------------------------------------------

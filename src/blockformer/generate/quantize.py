@@ -10,10 +10,11 @@ point; only the weights are rounded.
   (asymmetric, 16 levels spanning the group's min..max). A decode step reads 8x fewer
   weight bytes than fp32, at a larger rounding error.
 
-With bf16 activations (``--precision bf16``) a decode step uses PyTorch's packed low-bit
-kernels. With fp32 ones those are slower than the float model, so a decode step uses
-blockformer's own (``csrc/int8_matmul.c``, ``csrc/int4_matmul.c``, built by ``native``),
-which read each weight byte once for all of the step's rows. This is for inference: a
+With fp32 activations PyTorch's packed low-bit CPU kernels are slower than the float model,
+so a decode step uses blockformer's own (``csrc/int8_matmul.c``, ``csrc/int4_matmul.c``, built
+by ``native``), which read each weight byte once for all of the step's rows. bf16 activations
+(``--precision bf16``) are widened to fp32 for the int8 one where ``kernels.native_quantized_matmul``
+says so (CPUs without AMX), and take PyTorch's kernels elsewhere. This is for inference: a
 quantized model cannot be trained, and its outputs differ from the float model's (int4 more
 than int8; ``blockformer eval --quantize`` measures the cost).
 
@@ -42,13 +43,15 @@ class QuantizedLinear(nn.Module):
     """What the int8 and int4 layers share: ``y = x W^T + b`` computed in the activation's
     dtype (the autocast dtype under autocast). On the CPU, fp32 products of up to
     ``kernels.NATIVE_QUANTIZED_ROWS`` rows (decode steps, short prompts) go through
-    blockformer's C kernels, and bf16 ones of at most ``KERNEL_MAX_ROWS`` rows through
-    PyTorch's packed low-bit kernels; both read only the quantized bytes. Anything larger (a
+    blockformer's C kernels (bf16 int8 ones too, widened, where ``kernels.native_quantized_matmul``
+    says so), other bf16 ones of at most ``KERNEL_MAX_ROWS`` rows through PyTorch's packed
+    low-bit kernels; both read only the quantized bytes. Anything larger (a
     long prompt, a beam of sentences, evaluation) is faster as the dequantized weight in one
     dense matmul."""
 
     in_features: int
     out_features: int
+    bits: int  # of a stored weight
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -64,7 +67,7 @@ class QuantizedLinear(nn.Module):
         # torch.compile with autocast the dense path runs: store the model in bf16 instead.
         cast_in_graph = torch.compiler.is_compiling() and torch.is_autocast_enabled(device)
         rows = x2.shape[0]
-        few = rows <= KERNEL_MAX_ROWS or kernels.native_quantized_matmul(dtype, rows)
+        few = rows <= KERNEL_MAX_ROWS or kernels.native_quantized_matmul(dtype, rows, self.bits)
         if device == "cpu" and few and not cast_in_graph:
             y = self.kernel(x2)
         else:
@@ -84,6 +87,8 @@ class QuantizedLinear(nn.Module):
 class Int8Linear(QuantizedLinear):
     """``W = scales[:, None] * int8_weight``, one scale per output channel."""
 
+    bits = 8
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
         w = linear.weight.detach().float()
@@ -92,8 +97,10 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scales", scales.to(linear.weight.dtype))
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.native_quantized_matmul(x.dtype, x.shape[0]) and native.ready(_int8_matmul):
-            return native.call(int8_matmul, x, self.weight, self.scales)
+        if kernels.native_quantized_matmul(x.dtype, x.shape[0], self.bits) and native.ready(_int8_matmul):
+            return native.call(int8_matmul, x.float(), self.weight, self.scales).to(x.dtype)
+        if self.in_features % 16:  # torch 2.13's AVX-512 bf16 kernel then returns garbage or crashes (K = 200, 216)
+            return F.linear(x, self.dequantized(x.dtype))
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -151,6 +158,7 @@ class Int4Linear(QuantizedLinear):
     path, and (on the CPU) in the layout of PyTorch's int4 kernel for decode steps."""
 
     GROUP_SIZES = (32, 64, 128, 256)  # what the kernel accepts
+    bits = 4
 
     def __init__(self, linear: nn.Linear, group_size: int = 128) -> None:
         super().__init__(linear)
@@ -179,8 +187,8 @@ class Int4Linear(QuantizedLinear):
             self.register_buffer("scales_and_zeros", both.to(dtype))  # (k / g, n + pad, 2)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.native_quantized_matmul(x.dtype, x.shape[0]) and native.ready(_int4_matmul):
-            return native.call(int4_matmul, x, self.codes, self.scales, self.zeros, self.group_size)
+        if kernels.native_quantized_matmul(x.dtype, x.shape[0], self.bits) and native.ready(_int4_matmul):
+            return native.call(int4_matmul, x.float(), self.codes, self.scales, self.zeros, self.group_size).to(x.dtype)
         if not hasattr(self, "packed"):  # quantized off the CPU: no kernel layout to use
             return F.linear(x, self.dequantized(x.dtype))
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,

@@ -90,7 +90,7 @@ def packs_on_this_cpu(dtype: torch.dtype) -> bool:
 # StreamedLinear) on every CPU without AMX: on an AVX2-only EPYC it streamed a GPT-2-small step's weights at
 # 18.7 GB/s where torch.mm at one row drew 9.0; on an AVX512-BF16 EPYC (Zen 4), where eager decoding packs
 # them instead, a compiled step cannot read packed weights, and streamed it decoded GPT-2 small at 1.8x
-# F.linear's pace (BENCHMARKS.md "fp32 decoding on an AVX512-BF16 EPYC"). On AMX Xeons torch's F.linear
+# F.linear's pace (BENCHMARKS.md "Decoding on an AVX512-BF16 EPYC"). On AMX Xeons torch's F.linear
 # streamed faster than the kernel (27 against 21-24 GB/s, two hosts), so they keep F.linear.
 def streams_decode_matmuls(dtype: torch.dtype) -> bool:
     """Whether a decoding model's unpacked fp32 linears go through blockformer's C kernel at a step's few rows."""

@@ -130,12 +130,12 @@ def bf16_rows_in_c_kernels() -> bool:
     return not cpu_has("_is_amx_tile_supported")
 
 
-# Probed once, at import: a compiled decode step reads it as a constant (dynamo cannot call torch's CPU probes).
+# Probed once, at import: a compiled decode step reads it as a constant (dynamo cannot call the probes).
 INT8_BF16_IN_C = bf16_rows_in_c_kernels()
 
 
 def native_quantized_matmul(dtype: torch.dtype, rows: int, bits: int) -> bool:
-    """Whether a ``bits``-bit quantized layer's product of ``rows`` rows uses blockformer's C kernel (in fp32)."""
+    """Whether a ``bits``-bit quantized layer's product of ``rows`` rows takes blockformer's C kernel."""
     if rows > NATIVE_QUANTIZED_ROWS:
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and bits == 8 and INT8_BF16_IN_C)

@@ -13,9 +13,9 @@ step before generation (``prepare_for_decoding(..., pack=True)``, which the CLI 
 Packing is used only where ``kernels.packs_on_this_cpu`` says it was measured to pay, with
 a torch built with oneDNN and a probe product equal to ``F.linear``'s.
 
-Where fp32 weights are not packed on a CPU without AMX (AVX2 always; AVX-512 for a compiled step, which
-cannot read packed weights), ``StreamedLinear`` takes the few-row products instead: ``csrc/f32_matmul.c`` streams the plain weight once for all the rows, at
-about twice the bandwidth torch's matmul draws at one row there. Its weight stays a plain
+Where fp32 weights are not packed on a CPU without AMX (AVX2 always; AVX-512 for a compiled
+step, which cannot read packed weights), ``StreamedLinear`` takes the few-row products
+instead: ``csrc/f32_matmul.c`` streams the plain weight once for all the rows, at about twice the bandwidth torch's matmul draws at one row there. Its weight stays a plain
 tensor, so it can be compiled (the kernel is then ``torch.ops.blockformer.f32_matmul``). On
 an AMX CPU fp32 weights are neither packed nor streamed: torch's own ``F.linear`` was faster.
 """

@@ -99,7 +99,7 @@ class Int8Linear(QuantizedLinear):
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.native_quantized_matmul(x.dtype, x.shape[0], self.bits) and native.ready(_int8_matmul):
             return native.call(int8_matmul, x.float(), self.weight, self.scales).to(x.dtype)
-        if self.in_features % 16:  # torch 2.13's AVX-512 bf16 kernel then returns garbage or crashes (K = 200, 216)
+        if self.in_features % 16:  # torch 2.13's AVX-512 bf16 kernel gives garbage or crashes (200, 216)
             return F.linear(x, self.dequantized(x.dtype))
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))
 
@@ -188,7 +188,8 @@ class Int4Linear(QuantizedLinear):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.native_quantized_matmul(x.dtype, x.shape[0], self.bits) and native.ready(_int4_matmul):
-            return native.call(int4_matmul, x.float(), self.codes, self.scales, self.zeros, self.group_size).to(x.dtype)
+            y = native.call(int4_matmul, x.float(), self.codes, self.scales, self.zeros, self.group_size)
+            return y.to(x.dtype)
         if not hasattr(self, "packed"):  # quantized off the CPU: no kernel layout to use
             return F.linear(x, self.dequantized(x.dtype))
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,

@@ -182,5 +182,6 @@ class LowRankRows:
             lo, hi = max(first, start), min(end, stop)
             if lo < hi:
                 a, b = self.factors[name]
-                block[lo - first: hi - first] = self.scale * low_rank_product(b[lo - start: hi - start], a[:, cols])
+                update = low_rank_product(b[lo - start: hi - start], a[:, cols])
+                block[lo - first: hi - first] = self.scale * update
         return block

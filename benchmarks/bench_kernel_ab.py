@@ -4,7 +4,9 @@ working tree's against ``--base``'s (a git revision), both built with the flags
 of both), their passes alternated so that the machine's drift falls on both alike. A pass is
 GPT-2 small's 48 block weights once, as in ``bench_kernels.py``; the table gives each
 revision's best pass, the weight bytes it drew per second, the speedup, and each one's
-largest difference from torch's product on the first weight.
+largest difference from torch's product on the first weight. ``--hot`` takes one weight of each
+shape, read 12 times a pass, so it stays in the caches: the kernel's arithmetic alone, without
+the memory.
 
     OMP_NUM_THREADS=2 python benchmarks/bench_kernel_ab.py --kernel f32_matmul --base HEAD~1
     ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=2 python benchmarks/bench_kernel_ab.py --kernel int8_matmul --base main
@@ -43,7 +45,7 @@ def f32_case(i: int, o: int, rows: int):
 def int8_case(i: int, o: int, rows: int):
     x, w, s, y = torch.randn(rows, i), torch.randint(-127, 128, (o, i), dtype=torch.int8), torch.rand(o) / 100, \
         torch.empty(rows, o)
-    return (x, w, s, y), [x, w, s, y, rows, i, o], lambda: F.linear(x, w.float()) * s, w.numel()
+    return (x, w, s, y), [x, w, s, 0, y, rows, i, o], lambda: F.linear(x, w.float()) * s, w.numel()
 
 
 def int4_case(i: int, o: int, rows: int):
@@ -51,15 +53,16 @@ def int4_case(i: int, o: int, rows: int):
     scales, zeros = torch.rand(o, i // GROUP) / 100, torch.randn(o, i // GROUP) / 100
     x, y, sums, codes = torch.randn(rows, i), torch.empty(rows, o), torch.empty(rows, i // GROUP), pack_int4(q)
     dense = ((q.float() - 8).reshape(o, -1, GROUP) * scales[..., None] + zeros[..., None]).reshape(o, i)
-    return (x, codes, scales, zeros, y, sums), [x, codes, scales, zeros, y, sums, rows, i, GROUP, o], \
+    return (x, codes, scales, zeros, y, sums), [x, codes, scales, zeros, 0, y, sums, rows, i, GROUP, o], \
         lambda: F.linear(x, dense), codes.numel() + (scales.numel() + zeros.numel()) * 4
 
 
 # kernel -> (its symbol, how many pointer and integer arguments it takes, one weight's case, the index
-# of the output among the case's tensors)
+# of the output among the case's tensors). The quantized kernels take a bias (0: none) since 2026-12-04:
+# a --base before that has the old arguments and cannot be compared with these cases.
 KERNELS = {"f32_matmul": ("f32_matmul_f32", (4, 4), f32_case, 3),
-           "int8_matmul": ("int8_matmul_f32", (4, 4), int8_case, 3),
-           "int4_matmul": ("int4_matmul_f32", (6, 5), int4_case, 4)}
+           "int8_matmul": ("int8_matmul_f32", (5, 4), int8_case, 3),
+           "int4_matmul": ("int4_matmul_f32", (7, 5), int4_case, 4)}
 
 
 def build(kernel: str, base: str | None, folder: Path) -> Callable:
@@ -89,6 +92,8 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,3,4,16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--passes", type=int, default=6, help="timed passes per revision and row count")
+    p.add_argument("--hot", action="store_true",
+                   help="one weight of each of the 4 shapes, 12 times a pass (in cache: the arithmetic alone)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -98,11 +103,12 @@ def main() -> None:
         fns = {"base": build(args.kernel, args.base, Path(tmp)), "tree": build(args.kernel, None, Path(tmp))}
         print(f"{args.kernel}: working tree against {args.base}, {cpu_kind()} CPU, {args.threads} thread(s), "
               f"flags {' '.join(native.arch_flags())}, best of {args.passes} alternated passes over "
-              f"{nbytes / 2**20:.0f} MiB of weights\n")
+              f"{nbytes / 2**20:.0f} MiB of weights{' (one layer, 12 times: in cache)' if args.hot else ''}\n")
         print(f"| rows | {args.base}: ms, GB/s | working tree: ms, GB/s | speedup | largest difference from torch |")
         print("| ---: | ---: | ---: | ---: | --- |")
         for rows in (int(r) for r in args.rows.split(",")):
-            cases = [case(i, o, rows) for i, o in shapes()]  # each weight its own tensors, as in a decode step
+            cases = [case(i, o, rows) for i, o in shapes(n_layers=1)] * 12 if args.hot else \
+                [case(i, o, rows) for i, o in shapes()]  # each weight its own tensors, as in a decode step
             calls = [tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in c[1]) + (args.threads,)
                      for c in cases]
             best = dict.fromkeys(fns, float("inf"))

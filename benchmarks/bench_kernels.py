@@ -115,7 +115,13 @@ def main() -> None:
                               ("csrc/f32_matmul.c", lambda x: f32_matmul(x, small.weight, small.bias)),
                               ("torch _weight_int8pack_mm", lambda x: torch.ops.aten._weight_int8pack_mm(
                                   x, q.weight, q.scales)),
-                              ("csrc/int8_matmul.c", lambda x: int8_matmul(x, q.weight, q.scales))):
+                              ("csrc/int8_matmul.c", lambda x: int8_matmul(x, q.weight, q.scales)),
+                              ("csrc/int8_matmul.c, with the bias", lambda x: int8_matmul(x, q.weight, q.scales,
+                                                                                          q.bias)),
+                              # what a compiled step calls, through the dispatcher
+                              ("torch.ops.blockformer.int8_matmul, with the bias",
+                               lambda x: torch.ops.blockformer.int8_matmul(x, q.weight, q.scales, q.bias)),
+                              ("Int8Linear, the whole layer (what an eager step calls)", q)):
             lines.append(f"| {name} | {call_cost(product, x):.1f} |")
     report = "\n".join(lines) + "\n"
     print("\n" + report)

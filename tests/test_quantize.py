@@ -6,6 +6,7 @@ import platform
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from blockformer import TransformerConfig, build_model, native
 from blockformer.generate import generate
@@ -151,13 +152,14 @@ def test_each_build_of_the_c_kernels_equals_the_dequantized_product(cap, flags, 
         build.cache_clear()
     try:
         assert native.arch_flags() == flags
-        for rows in (1, 3, 6):  # one block of rows, a partial one, and past four
+        for rows, biased in ((1, False), (3, True), (6, True)):  # one block of rows, a partial one, past four
+            b8, b4 = (int8.bias, int4.bias) if biased else (None, None)  # the kernels add it, or nothing
             x = torch.randn(rows, 200)
-            torch.testing.assert_close(QUANTIZE.int8_matmul(x, int8.weight, int8.scales),
-                                       x @ int8.dequantized(torch.float32).T, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(QUANTIZE.int8_matmul(x, int8.weight, int8.scales, b8),
+                                       F.linear(x, int8.dequantized(torch.float32), b8), atol=1e-5, rtol=1e-5)
             x = torch.randn(rows, 192)
-            torch.testing.assert_close(QUANTIZE.int4_matmul(x, int4.codes, int4.scales, int4.zeros, 64),
-                                       x @ int4.dequantized(torch.float32).T, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(QUANTIZE.int4_matmul(x, int4.codes, int4.scales, int4.zeros, 64, b4),
+                                       F.linear(x, int4.dequantized(torch.float32), b4), atol=1e-4, rtol=1e-4)
         assert QUANTIZE._int8_matmul() is not None and QUANTIZE._int4_matmul() is not None  # built, not torch's
     finally:
         monkeypatch.undo()

@@ -79,12 +79,21 @@ def function(name: str, symbol: str, pointers: int, sizes: int, *tail) -> Callab
     return fn
 
 
+_OPS = torch.library.Library("blockformer", "DEF")
+
+
 def matmul_op(fn: Callable) -> None:
     """Register ``fn(x, w, ...)``, a product of ``x``'s rows by ``w``'s output channels, as
     ``torch.ops.blockformer.<its name>``: a compiled graph calls it as one opaque op (eager
-    code calls ``fn`` itself, with no dispatcher in between)."""
-    op = torch.library.custom_op(f"blockformer::{fn.__name__}", fn, mutates_args=())
-    op.register_fake(lambda x, w, *rest: x.new_empty(x.shape[0], w.shape[0]))
+    code calls ``fn`` itself, with no dispatcher in between). Defined as a plain CPU kernel of a
+    ``torch.library.Library``, not a ``torch.library.custom_op``, whose Python wrapping cost
+    about 9 us more a call (a decode step makes 49; BENCHMARKS.md "What a call to a C kernel
+    costs around it"); the schema is still read from ``fn``'s annotations."""
+    name = fn.__name__
+    _OPS.define(name + torch.library.infer_schema(fn, mutates_args=()))
+    _OPS.impl(name, fn, "CPU")
+    torch.library.register_fake(f"blockformer::{name}", lambda x, w, *rest: x.new_empty(x.shape[0], w.shape[0]),
+                                lib=_OPS)
 
 
 def ready(library: Callable) -> bool:

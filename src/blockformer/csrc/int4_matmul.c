@@ -5,7 +5,7 @@
  * scale[o, g] + zero[o, g] for k in group g of G inputs. Per group the codes are summed against
  * the input first:
  *     y[r, o] = sum_g scale[o, g] * (sum_{k in g} x[r, k] q[o, k]) + (zero[o, g] - 8 scale[o, g]) sx[r, g]
- * with sx[r, g] the group's sum of x. Each code byte is read once for all the rows: an eighth
+ * with sx[r, g] the group's sum of x, plus bias[o] where a bias is given (not NULL). Each code byte is read once for all the rows: an eighth
  * of the fp32 weight's bytes. With AVX2 and FMA, 16 code bytes become 32 floats in registers;
  * elsewhere plain C. Built at first use by blockformer.native with the machine's C compiler
  * (and OpenMP where it has it).
@@ -33,8 +33,8 @@ static inline void widen(const uint8_t *c, __m256 *low, __m256 *high) {
 /* G is a multiple of 32: a group is a whole number of 16-byte loads */
 #define ROWS(R)                                                                                    \
     static void rows_##R(const float *x, const float *sx, const uint8_t *codes, const float *scales, \
-                         const float *zeros, float *y, int64_t o0, int64_t o1, int64_t K, int64_t G, \
-                         int64_t N) {                                                              \
+                         const float *zeros, const float *bias, float *y, int64_t o0, int64_t o1,  \
+                         int64_t K, int64_t G, int64_t N) {                                        \
         const int64_t groups = K / G;                                                              \
         for (int64_t o = o0; o < o1; o++) {                                                        \
             const uint8_t *co = codes + o * (K / 2);                                               \
@@ -63,14 +63,14 @@ static inline void widen(const uint8_t *c, __m256 *low, __m256 *high) {
                     offset[r] += (z - 8.0f * s) * sx[r * groups + g];                              \
                 }                                                                                  \
             }                                                                                      \
-            for (int r = 0; r < R; r++) y[r * N + o] = hsum(total[r]) + offset[r];                 \
+            for (int r = 0; r < R; r++) y[r * N + o] = hsum(total[r]) + offset[r] + (bias ? bias[o] : 0.0f); \
         }                                                                                          \
     }
 #else
 #define ROWS(R)                                                                                    \
     static void rows_##R(const float *x, const float *sx, const uint8_t *codes, const float *scales, \
-                         const float *zeros, float *y, int64_t o0, int64_t o1, int64_t K, int64_t G, \
-                         int64_t N) {                                                              \
+                         const float *zeros, const float *bias, float *y, int64_t o0, int64_t o1,  \
+                         int64_t K, int64_t G, int64_t N) {                                        \
         const int64_t groups = K / G;                                                              \
         for (int64_t o = o0; o < o1; o++) {                                                        \
             const uint8_t *co = codes + o * (K / 2);                                               \
@@ -85,7 +85,7 @@ static inline void widen(const uint8_t *c, __m256 *low, __m256 *high) {
                 const float s = scales[o * groups + g], z = zeros[o * groups + g];                 \
                 for (int r = 0; r < R; r++) total[r] += s * acc[r] + (z - 8.0f * s) * sx[r * groups + g]; \
             }                                                                                      \
-            for (int r = 0; r < R; r++) y[r * N + o] = total[r];                                   \
+            for (int r = 0; r < R; r++) y[r * N + o] = total[r] + (bias ? bias[o] : 0.0f);        \
         }                                                                                          \
     }
 #endif
@@ -93,17 +93,18 @@ static inline void widen(const uint8_t *c, __m256 *low, __m256 *high) {
 ALL_ROWS
 
 static void span(const float *x, const float *sx, const uint8_t *codes, const float *scales, const float *zeros,
-                 float *y, int64_t rows, int64_t o0, int64_t o1, int64_t K, int64_t G, int64_t N) {
-    EACH_BLOCK(rows, o0, o1, x + r0 * K, sx + r0 * (K / G), codes, scales, zeros, y + r0 * N, c0, c1, K, G, N)
+                 const float *bias, float *y, int64_t rows, int64_t o0, int64_t o1, int64_t K, int64_t G, int64_t N) {
+    EACH_BLOCK(rows, o0, o1, x + r0 * K, sx + r0 * (K / G), codes, scales, zeros, bias, y + r0 * N, c0, c1, K, G, N)
 }
 
 /* x: rows of K contiguous floats (the caller takes many rows as a dense matmul); the N output
  * channels split into `threads` spans, one per thread of torch's OpenMP runtime. sx: scratch
  * of rows * K / G floats for the group sums. */
-void int4_matmul_f32(const float *x, const uint8_t *codes, const float *scales, const float *zeros, float *y,
-                     float *sx, int64_t rows, int64_t K, int64_t G, int64_t N, int64_t threads) {
+void int4_matmul_f32(const float *x, const uint8_t *codes, const float *scales, const float *zeros,
+                     const float *bias, float *y, float *sx, int64_t rows, int64_t K, int64_t G, int64_t N,
+                     int64_t threads) {
     group_sums(x, sx, rows, K, G);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t t = 0; t < threads; t++)
-        span(x, sx, codes, scales, zeros, y, rows, N * t / threads, N * (t + 1) / threads, K, G, N);
+        span(x, sx, codes, scales, zeros, bias, y, rows, N * t / threads, N * (t + 1) / threads, K, G, N);
 }

@@ -1,5 +1,5 @@
 /* A weight-only int8 matmul at a decode step's (or a short prompt's) few rows: y[r, o] = scales[o] * x[r] . w[o]
- * for fp32 activations x (rows, K), int8 weights w (N, K) with one scale per output channel,
+ * + bias[o] (bias may be NULL) for fp32 activations x (rows, K), int8 weights w (N, K) with one scale per output channel,
  * output channels o in [o0, o1). Each weight byte is read once for all the rows, so at one
  * row the product streams a quarter of the fp32 weight's bytes. With AVX2 and FMA, 16
  * weights at a time are widened to floats in registers; elsewhere plain C. Built at first
@@ -13,7 +13,7 @@ static inline __m256 widen(const int8_t *w) {
 }
 
 #define ROWS(R)                                                                              \
-    static void rows_##R(const float *x, const int8_t *w, const float *scales, float *y,   \
+    static void rows_##R(const float *x, const int8_t *w, const float *scales, const float *bias, float *y, \
                          int64_t o0, int64_t o1, int64_t K, int64_t N) {                  \
         const int64_t body = K - K % 16;                                                   \
         for (int64_t o = o0; o < o1; o++) {                                                \
@@ -31,13 +31,13 @@ static inline __m256 widen(const int8_t *w) {
             for (int r = 0; r < R; r++) {                                                  \
                 float acc = hsum(_mm256_add_ps(a[r], b[r]));                               \
                 for (int64_t k = body; k < K; k++) acc += x[r * K + k] * (float)wo[k];     \
-                y[r * N + o] = acc * scales[o];                                            \
+                y[r * N + o] = acc * scales[o] + (bias ? bias[o] : 0.0f);                 \
             }                                                                              \
         }                                                                                  \
     }
 #else
 #define ROWS(R)                                                                              \
-    static void rows_##R(const float *x, const int8_t *w, const float *scales, float *y,   \
+    static void rows_##R(const float *x, const int8_t *w, const float *scales, const float *bias, float *y, \
                          int64_t o0, int64_t o1, int64_t K, int64_t N) {                  \
         for (int64_t o = o0; o < o1; o++) {                                                \
             const int8_t *wo = w + o * K;                                                  \
@@ -46,22 +46,23 @@ static inline __m256 widen(const int8_t *w) {
                 const float wk = (float)wo[k];                                             \
                 for (int r = 0; r < R; r++) acc[r] += x[r * K + k] * wk;                   \
             }                                                                              \
-            for (int r = 0; r < R; r++) y[r * N + o] = acc[r] * scales[o];                 \
+            for (int r = 0; r < R; r++) y[r * N + o] = acc[r] * scales[o] + (bias ? bias[o] : 0.0f); \
         }                                                                                  \
     }
 #endif
 
 ALL_ROWS
 
-static void span(const float *x, const int8_t *w, const float *scales, float *y, int64_t rows, int64_t o0,
-                 int64_t o1, int64_t K, int64_t N) {
-    EACH_BLOCK(rows, o0, o1, x + r0 * K, w, scales, y + r0 * N, c0, c1, K, N)
+static void span(const float *x, const int8_t *w, const float *scales, const float *bias, float *y, int64_t rows,
+                 int64_t o0, int64_t o1, int64_t K, int64_t N) {
+    EACH_BLOCK(rows, o0, o1, x + r0 * K, w, scales, bias, y + r0 * N, c0, c1, K, N)
 }
 
 /* any rows (the caller takes many as a dense matmul); the N output channels split into
  * `threads` spans, one per thread of the OpenMP runtime torch runs on */
-void int8_matmul_f32(const float *x, const int8_t *w, const float *scales, float *y, int64_t rows, int64_t K,
-                     int64_t N, int64_t threads) {
+void int8_matmul_f32(const float *x, const int8_t *w, const float *scales, const float *bias, float *y, int64_t rows,
+                     int64_t K, int64_t N, int64_t threads) {
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int64_t t = 0; t < threads; t++) span(x, w, scales, y, rows, N * t / threads, N * (t + 1) / threads, K, N);
+    for (int64_t t = 0; t < threads; t++)
+        span(x, w, scales, bias, y, rows, N * t / threads, N * (t + 1) / threads, K, N);
 }

@@ -71,13 +71,15 @@ class QuantizedLinear(nn.Module):
         if device == "cpu" and few and not cast_in_graph:
             y = self.kernel(x2)
         else:
-            y = F.linear(x2, self.dequantized(dtype))
-        if self.bias is not None:
-            y = y + self.bias.to(dtype)
+            y = F.linear(x2, self.dequantized(dtype), None if self.bias is None else self.bias.to(dtype))
         return y.reshape(*shape[:-1], self.out_features)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T + b`` for a few rows ``x`` by a kernel that reads the quantized bytes."""
         raise NotImplementedError
+
+    def _plus_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The (out_features, in_features) weight this layer stands for."""
@@ -98,10 +100,10 @@ class Int8Linear(QuantizedLinear):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.native_quantized_matmul(x.dtype, x.shape[0], self.bits) and native.ready(_int8_matmul):
-            return native.call(int8_matmul, x.float(), self.weight, self.scales).to(x.dtype)
+            return native.call(int8_matmul, x.float(), self.weight, self.scales, self.bias).to(x.dtype)
         if self.in_features % 16:  # torch 2.13's AVX-512 bf16 kernel gives garbage or crashes (200, 216)
-            return F.linear(x, self.dequantized(x.dtype))
-        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))
+            return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return self._plus_bias(torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype)))
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.weight.to(dtype) * self.scales.to(dtype)[:, None]
@@ -112,39 +114,51 @@ class Int8Linear(QuantizedLinear):
 
 @functools.cache
 def _int8_matmul():
-    return native.function("int8_matmul", "int8_matmul_f32", 4, 4)
+    return native.function("int8_matmul", "int8_matmul_f32", 5, 4)
 
 
 @functools.cache
 def _int4_matmul():
-    return native.function("int4_matmul", "int4_matmul_f32", 6, 5)
+    return native.function("int4_matmul", "int4_matmul_f32", 7, 5)
 
 
 # The C kernels as functions of tensors, and as custom ops (``native.matmul_op``) so that a
 # compiled decode step calls them too. fp32 rows, up to kernels.NATIVE_QUANTIZED_ROWS; output channels split
 # over torch's threads inside the kernel.
-def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x @ (scales[:, None] * weight).T`` by ``csrc/int8_matmul.c`` (torch's kernel if it is not built)."""
+def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (scales[:, None] * weight).T + bias`` by ``csrc/int8_matmul.c`` (torch's kernel if it is not built)."""
     if _int8_matmul() is None:
-        return torch.ops.aten._weight_int8pack_mm(x, weight, scales.to(x.dtype))
+        y = torch.ops.aten._weight_int8pack_mm(x, weight, scales.to(x.dtype))
+        return y if bias is None else y + bias
     x, scales, (rows, k), n = x.contiguous(), scales.float().contiguous(), x.shape, weight.shape[0]
-    y = x.new_empty(rows, n)
-    _int8_matmul()(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), y.data_ptr(), rows, k, n, native.pieces(n))
+    y, bias = x.new_empty(rows, n), _fp32(bias)  # held until the call returns
+    _int8_matmul()(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), _pointer(bias), y.data_ptr(), rows, k, n,
+                   native.pieces(n))
     return y
 
 
 def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int) -> torch.Tensor:
-    """``x @ W.T`` for ``Int4Linear``'s codes, scales and zeros, by ``csrc/int4_matmul.c`` (the
-    dequantized weight if it is not built)."""
+                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``Int4Linear``'s codes, scales and zeros, by ``csrc/int4_matmul.c``
+    (the dequantized weight if it is not built)."""
     if _int4_matmul() is None:
-        return F.linear(x, dequantize_int4(codes, scales, zeros, group_size, x.dtype))
+        return F.linear(x, dequantize_int4(codes, scales, zeros, group_size, x.dtype), bias)
     x, (rows, k), n = x.contiguous(), x.shape, codes.shape[0]
     scales, zeros = scales.float().contiguous(), zeros.float().contiguous()
-    y, sums = x.new_empty(rows, n), x.new_empty(rows, k // group_size)
-    _int4_matmul()(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), y.data_ptr(), sums.data_ptr(),
-                   rows, k, group_size, n, native.pieces(n))
+    y, sums, bias = x.new_empty(rows, n), x.new_empty(rows, k // group_size), _fp32(bias)
+    _int4_matmul()(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), _pointer(bias), y.data_ptr(),
+                   sums.data_ptr(), rows, k, group_size, n, native.pieces(n))
     return y
+
+
+def _fp32(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.float().contiguous()
+
+
+def _pointer(bias: torch.Tensor | None) -> int:
+    """Where a kernel reads the bias: NULL for none."""
+    return 0 if bias is None else bias.data_ptr()
 
 
 native.matmul_op(int8_matmul)
@@ -188,13 +202,13 @@ class Int4Linear(QuantizedLinear):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.native_quantized_matmul(x.dtype, x.shape[0], self.bits) and native.ready(_int4_matmul):
-            y = native.call(int4_matmul, x.float(), self.codes, self.scales, self.zeros, self.group_size)
+            y = native.call(int4_matmul, x.float(), self.codes, self.scales, self.zeros, self.group_size, self.bias)
             return y.to(x.dtype)
         if not hasattr(self, "packed"):  # quantized off the CPU: no kernel layout to use
-            return F.linear(x, self.dequantized(x.dtype))
+            return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
                                                         self.scales_and_zeros.to(x.dtype))
-        return y[:, : self.out_features]
+        return self._plus_bias(y[:, : self.out_features])
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_int4(self.codes, self.scales, self.zeros, self.group_size, dtype)

@@ -6,7 +6,12 @@ the kernel itself is a small part: called eagerly, compiled as ``generate --comp
 a CPU step (``cpp_wrapper``), as the Python function, and as the bare ctypes calls. Every way
 is timed in one process, the passes alternated; best of ``--passes``.
 
+``--layers`` times instead what an eager decode step calls: one layer of each kind on a
+``(1, 1, in)`` input (64 -> 64; int4 128 -> 64), the layer's whole cost per call. It uses only
+the layers' classes, so ``PYTHONPATH=<an older tree>/src`` times that tree's layers too.
+
     OMP_NUM_THREADS=2 python benchmarks/bench_op_calls.py --threads 2
+    OMP_NUM_THREADS=2 PYTHONPATH=<tree>/src python benchmarks/bench_op_calls.py --threads 2 --layers
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from torch import nn
 
 from common import cpu_kind
 
-from blockformer.generate.quantize import Int8Linear, _int8_matmul, int8_matmul
+from blockformer.generate.packed import StreamedLinear
+from blockformer.generate.quantize import Int4Linear, Int8Linear, _int8_matmul, int8_matmul
 
 CALLS = 49  # GPT-2 small: 48 block products and the head
 
@@ -41,13 +47,46 @@ def register() -> tuple:
     return torch.ops.bench_custom_op.int8, torch.ops.bench_library.int8, lib
 
 
+def best_of(fns: dict, x: dict, passes: int, calls: int) -> dict:
+    """Each function's best time a call over ``passes`` alternated passes of ``calls`` calls."""
+    for name, fn in fns.items():  # compile and warm up
+        fn(x[name]), fn(x[name])
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(passes):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn(x[name])
+            best[name] = min(best[name], (time.perf_counter() - start) / calls)
+    return best
+
+
+def eager_layers(args) -> None:
+    """One eager layer of each kind, its whole cost a call at a decode step's one row."""
+    torch.manual_seed(0)
+    kinds = {"Int8Linear, 64 -> 64": (Int8Linear(nn.Linear(64, 64)), 64),
+             "Int4Linear, 128 -> 64": (Int4Linear(nn.Linear(128, 64)), 128),
+             "StreamedLinear (fp32), 64 -> 64": (StreamedLinear.of(nn.Linear(64, 64)), 64)}
+    with torch.inference_mode():
+        best = best_of({name: layer for name, (layer, _) in kinds.items()},
+                       {name: torch.randn(1, 1, k) for name, (_, k) in kinds.items()}, args.passes, 20 * args.calls)
+    print(f"One eager layer, a (1, 1, in) input, {cpu_kind()} CPU, {args.threads} thread(s), torch "
+          f"{torch.__version__}, best of {args.passes} alternated passes\n")
+    print("| layer | us a call |\n| --- | ---: |")
+    for name, seconds in best.items():
+        print(f"| {name} | {seconds * 1e6:.1f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--passes", type=int, default=7)
     p.add_argument("--calls", type=int, default=200, help="chains of 49 products a timed pass")
+    p.add_argument("--layers", action="store_true", help="time one eager layer of each kind instead")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.layers:
+        return eager_layers(args)
     torch.manual_seed(0)
     custom, library, _lib = register()
     layers = [Int8Linear(nn.Linear(64, 64)) for _ in range(CALLS)]
@@ -74,16 +113,7 @@ def main() -> None:
             "plain Library CPU kernel, called eagerly": chain(library),
             "the Python function, no op": chain(int8_matmul),
             "the ctypes calls alone": ctypes_calls}
-    x = torch.randn(1, 64)
-    for fn in ways.values():  # compile and warm up
-        fn(x), fn(x)
-    best = dict.fromkeys(ways, float("inf"))
-    for _ in range(args.passes):
-        for name, fn in ways.items():
-            start = time.perf_counter()
-            for _ in range(args.calls):
-                fn(x)
-            best[name] = min(best[name], (time.perf_counter() - start) / args.calls)
+    best = best_of(ways, dict.fromkeys(ways, torch.randn(1, 64)), args.passes, args.calls)
     print(f"{CALLS} int8 products of one row by 64x64 weights with a bias, {cpu_kind()} CPU, {args.threads} "
           f"thread(s), torch {torch.__version__}, best of {args.passes} alternated passes\n")
     print(f"| {CALLS} products called as | us | us per product |\n| --- | ---: | ---: |")

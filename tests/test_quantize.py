@@ -113,10 +113,11 @@ def test_decode_rows_in_fp32_go_through_the_c_kernels_and_equal_the_dequantized_
             exact = x @ q.dequantized(torch.float32).T + q.bias
             torch.testing.assert_close(q(x), exact, atol=tol, rtol=tol)
             torch.testing.assert_close(q(x.T.contiguous().T), exact, atol=tol, rtol=tol)  # a strided input
+            torch.testing.assert_close(q(x[:, None]), exact[:, None], atol=tol, rtol=tol)  # (batch, 1, k), as decoding
     finally:
         torch.set_num_threads(before)
     # every call up to the limit took the C kernel, on each thread; past it, the dense path
-    assert calls == [(q.out_features, threads)] * 2 * (len(ROWS) - 1)
+    assert calls == [(q.out_features, threads)] * 3 * (len(ROWS) - 1)
 
 
 @pytest.mark.parametrize("in_c", [True, False])

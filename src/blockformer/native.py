@@ -83,8 +83,8 @@ _OPS = torch.library.Library("blockformer", "DEF")
 
 
 def matmul_op(fn: Callable) -> None:
-    """Register ``fn(x, w, ...)``, a product of ``x``'s rows by ``w``'s output channels, as
-    ``torch.ops.blockformer.<its name>``: a compiled graph calls it as one opaque op (eager
+    """Register ``fn(x, w, ...)``, a product of ``x``'s rows (along its last dimension) by ``w``'s
+    output channels, as ``torch.ops.blockformer.<its name>``: a compiled graph calls it as one opaque op (eager
     code calls ``fn`` itself, with no dispatcher in between). Defined as a plain CPU kernel of a
     ``torch.library.Library``, not a ``torch.library.custom_op``, whose Python wrapping cost
     about 9 us more a call (a decode step makes 49; BENCHMARKS.md "What a call to a C kernel
@@ -92,7 +92,7 @@ def matmul_op(fn: Callable) -> None:
     name = fn.__name__
     _OPS.define(name + torch.library.infer_schema(fn, mutates_args=()))
     _OPS.impl(name, fn, "CPU")
-    torch.library.register_fake(f"blockformer::{name}", lambda x, w, *rest: x.new_empty(x.shape[0], w.shape[0]),
+    torch.library.register_fake(f"blockformer::{name}", lambda x, w, *rest: x.new_empty(*x.shape[:-1], w.shape[0]),
                                 lib=_OPS)
 
 

@@ -83,14 +83,14 @@ def _f32_matmul():
 
 
 def f32_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for fp32 rows by ``csrc/f32_matmul.c``
+    """``F.linear(x, weight, bias)`` for fp32 rows (any leading dimensions) by ``csrc/f32_matmul.c``
     (``F.linear`` itself if the kernel is not built)."""
     if _f32_matmul() is None:
         return F.linear(x, weight, bias)
-    x, (rows, k), n = x.contiguous(), x.shape, weight.shape[0]
-    y = x.new_empty(rows, n)
-    _f32_matmul()(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, n,
-                  native.pieces(n))
+    x, k, n = x.contiguous(), x.shape[-1], weight.shape[0]
+    y = x.new_empty(*x.shape[:-1], n)
+    _f32_matmul()(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                  x.numel() // k, k, n, native.pieces(n))
     return y
 
 
@@ -112,8 +112,7 @@ class StreamedLinear(nn.Linear):
         rows = x.numel() // self.in_features
         if (x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu" and rows <= STREAM_ROWS
                 and not torch.is_grad_enabled() and native.ready(_f32_matmul)):
-            y = native.call(f32_matmul, x.reshape(rows, self.in_features), self.weight, self.bias)
-            return y.reshape(*x.shape[:-1], -1)
+            return native.call(f32_matmul, x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

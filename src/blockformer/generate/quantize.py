@@ -25,6 +25,7 @@ quantized here or packed for the CPU kernel (``packed.py``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,22 +62,28 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(dtype)
+        x = x.to(dtype)
         # Inductor cannot hand a freshly cast input to the packed kernels (torch 2.13), so under
         # torch.compile with autocast the dense path runs: store the model in bf16 instead.
         cast_in_graph = torch.compiler.is_compiling() and torch.is_autocast_enabled(device)
-        rows = x2.shape[0]
+        rows = x.numel() // self.in_features
         few = rows <= KERNEL_MAX_ROWS or kernels.native_quantized_matmul(dtype, rows, self.bits)
         if device == "cpu" and few and not cast_in_graph:
-            y = self.kernel(x2)
-        else:
-            y = F.linear(x2, self.dequantized(dtype), None if self.bias is None else self.bias.to(dtype))
-        return y.reshape(*shape[:-1], self.out_features)
+            return self.kernel(x)
+        return F.linear(x, self.dequantized(dtype), None if self.bias is None else self.bias.to(dtype))
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """``x W^T + b`` for a few rows ``x`` by a kernel that reads the quantized bytes."""
+        """``x W^T + b`` for a few rows ``x`` (any leading dimensions: the C kernels take them
+        as they are, where two reshapes cost more than a decode step's product) by a kernel that
+        reads the quantized bytes."""
         raise NotImplementedError
+
+    def _rows(self, x: torch.Tensor) -> int:
+        return x.numel() // self.in_features
+
+    def _in_2d(self, product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``product`` (of a 2-d input, bias added) for ``x`` of any leading dimensions."""
+        return product(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
 
     def _plus_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias.to(y.dtype)
@@ -99,11 +106,12 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scales", scales.to(linear.weight.dtype))
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.native_quantized_matmul(x.dtype, x.shape[0], self.bits) and native.ready(_int8_matmul):
+        if kernels.native_quantized_matmul(x.dtype, self._rows(x), self.bits) and native.ready(_int8_matmul):
             return native.call(int8_matmul, x.float(), self.weight, self.scales, self.bias).to(x.dtype)
         if self.in_features % 16:  # torch 2.13's AVX-512 bf16 kernel gives garbage or crashes (200, 216)
             return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return self._plus_bias(torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype)))
+        return self._in_2d(lambda x2: self._plus_bias(torch.ops.aten._weight_int8pack_mm(
+            x2, self.weight, self.scales.to(x.dtype))), x)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.weight.to(dtype) * self.scales.to(dtype)[:, None]
@@ -127,26 +135,28 @@ def _int4_matmul():
 # over torch's threads inside the kernel.
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ (scales[:, None] * weight).T + bias`` by ``csrc/int8_matmul.c`` (torch's kernel if it is not built)."""
+    """``x @ (scales[:, None] * weight).T + bias`` by ``csrc/int8_matmul.c`` (torch's kernel if it is not
+    built), for ``x`` of any leading dimensions."""
+    k, n = x.shape[-1], weight.shape[0]
     if _int8_matmul() is None:
-        y = torch.ops.aten._weight_int8pack_mm(x, weight, scales.to(x.dtype))
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, k), weight, scales.to(x.dtype)).reshape(*x.shape[:-1], n)
         return y if bias is None else y + bias
-    x, scales, (rows, k), n = x.contiguous(), scales.float().contiguous(), x.shape, weight.shape[0]
-    y, bias = x.new_empty(rows, n), _fp32(bias)  # held until the call returns
-    _int8_matmul()(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), _pointer(bias), y.data_ptr(), rows, k, n,
-                   native.pieces(n))
+    x, scales = x.contiguous(), scales.float().contiguous()
+    y, bias = x.new_empty(*x.shape[:-1], n), _fp32(bias)  # held until the call returns
+    _int8_matmul()(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), _pointer(bias), y.data_ptr(), x.numel() // k, k,
+                   n, native.pieces(n))
     return y
 
 
 def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``Int4Linear``'s codes, scales and zeros, by ``csrc/int4_matmul.c``
-    (the dequantized weight if it is not built)."""
+    (the dequantized weight if it is not built), for ``x`` of any leading dimensions."""
     if _int4_matmul() is None:
         return F.linear(x, dequantize_int4(codes, scales, zeros, group_size, x.dtype), bias)
-    x, (rows, k), n = x.contiguous(), x.shape, codes.shape[0]
-    scales, zeros = scales.float().contiguous(), zeros.float().contiguous()
-    y, sums, bias = x.new_empty(rows, n), x.new_empty(rows, k // group_size), _fp32(bias)
+    x, k, n = x.contiguous(), x.shape[-1], codes.shape[0]
+    rows, scales, zeros = x.numel() // k, scales.float().contiguous(), zeros.float().contiguous()
+    y, sums, bias = x.new_empty(*x.shape[:-1], n), x.new_empty(rows, k // group_size), _fp32(bias)
     _int4_matmul()(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), _pointer(bias), y.data_ptr(),
                    sums.data_ptr(), rows, k, group_size, n, native.pieces(n))
     return y
@@ -201,14 +211,13 @@ class Int4Linear(QuantizedLinear):
             self.register_buffer("scales_and_zeros", both.to(dtype))  # (k / g, n + pad, 2)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.native_quantized_matmul(x.dtype, x.shape[0], self.bits) and native.ready(_int4_matmul):
+        if kernels.native_quantized_matmul(x.dtype, self._rows(x), self.bits) and native.ready(_int4_matmul):
             y = native.call(int4_matmul, x.float(), self.codes, self.scales, self.zeros, self.group_size, self.bias)
             return y.to(x.dtype)
         if not hasattr(self, "packed"):  # quantized off the CPU: no kernel layout to use
             return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
-                                                        self.scales_and_zeros.to(x.dtype))
-        return self._plus_bias(y[:, : self.out_features])
+        return self._in_2d(lambda x2: self._plus_bias(torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, self.packed, self.group_size, self.scales_and_zeros.to(x.dtype))[:, : self.out_features]), x)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_int4(self.codes, self.scales, self.zeros, self.group_size, dtype)

@@ -3,12 +3,15 @@
 CPU kernel of a ``torch.library.Library`` (what ``native.matmul_op`` does), 49 calls in a row
 (a GPT-2-small decode step's quantized products) on 64x64 weights with a bias and one row, so
 the kernel itself is a small part: called eagerly, compiled as ``generate --compile`` compiles
-a CPU step (``cpp_wrapper``), as the Python function, and as the bare ctypes calls. Every way
+a CPU step (``cpp_wrapper``), as the Python function, as ``csrc/ops.cpp``'s C++ operator, and
+as the bare ctypes calls. Every way
 is timed in one process, the passes alternated; best of ``--passes``.
 
 ``--layers`` times instead what an eager decode step calls: one layer of each kind on a
 ``(1, 1, in)`` input (64 -> 64; int4 128 -> 64), the layer's whole cost per call. It uses only
-the layers' classes, so ``PYTHONPATH=<an older tree>/src`` times that tree's layers too.
+the layers' classes, so ``PYTHONPATH=<an older tree>/src`` times that tree's layers too; where the
+tree has them, the C++ operators (``native.load_cpp_ops``) are loaded first, as preparing a model
+for decoding does, unless ``--python-ops``.
 
     OMP_NUM_THREADS=2 python benchmarks/bench_op_calls.py --threads 2
     OMP_NUM_THREADS=2 PYTHONPATH=<tree>/src python benchmarks/bench_op_calls.py --threads 2 --layers
@@ -24,6 +27,7 @@ from torch import nn
 
 from common import cpu_kind
 
+from blockformer import native
 from blockformer.generate.packed import StreamedLinear
 from blockformer.generate.quantize import Int4Linear, Int8Linear, _int8_matmul, int8_matmul
 
@@ -67,10 +71,15 @@ def eager_layers(args) -> None:
     kinds = {"Int8Linear, 64 -> 64": (Int8Linear(nn.Linear(64, 64)), 64),
              "Int4Linear, 128 -> 64": (Int4Linear(nn.Linear(128, 64)), 128),
              "StreamedLinear (fp32), 64 -> 64": (StreamedLinear.of(nn.Linear(64, 64)), 64)}
+    load = getattr(native, "load_cpp_ops", None)
+    if load is not None and not args.python_ops:
+        load()
     with torch.inference_mode():
         best = best_of({name: layer for name, (layer, _) in kinds.items()},
                        {name: torch.randn(1, 1, k) for name, (_, k) in kinds.items()}, args.passes, 20 * args.calls)
-    print(f"One eager layer, a (1, 1, in) input, {cpu_kind()} CPU, {args.threads} thread(s), torch "
+    ops = "C++" if getattr(native, "CPP_OPS", False) else "Python"
+    print(f"One eager layer, a (1, 1, in) input, the decode products' {ops} operators, {cpu_kind()} CPU, "
+          f"{args.threads} thread(s), torch "
           f"{torch.__version__}, best of {args.passes} alternated passes\n")
     print("| layer | us a call |\n| --- | ---: |")
     for name, seconds in best.items():
@@ -83,12 +92,15 @@ def main() -> None:
     p.add_argument("--passes", type=int, default=7)
     p.add_argument("--calls", type=int, default=200, help="chains of 49 products a timed pass")
     p.add_argument("--layers", action="store_true", help="time one eager layer of each kind instead")
+    p.add_argument("--python-ops", action="store_true", help="--layers: without the C++ operators")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.layers:
         return eager_layers(args)
     torch.manual_seed(0)
     custom, library, _lib = register()
+    if not native.load_cpp_ops():
+        raise SystemExit("the C++ operators (csrc/ops.cpp) could not be built here")
     layers = [Int8Linear(nn.Linear(64, 64)) for _ in range(CALLS)]
 
     def chain(fn):
@@ -112,6 +124,9 @@ def main() -> None:
             "torch.library.custom_op, called eagerly": chain(custom),
             "plain Library CPU kernel, called eagerly": chain(library),
             "the Python function, no op": chain(int8_matmul),
+            "C++ operator (ops.cpp), compiled (cpp_wrapper)":
+                compile_(chain(torch.ops.blockformer_c.int8_matmul)),
+            "C++ operator (ops.cpp), called eagerly": chain(torch.ops.blockformer_c.int8_matmul),
             "the ctypes calls alone": ctypes_calls}
     best = best_of(ways, dict.fromkeys(ways, torch.randn(1, 64)), args.passes, args.calls)
     print(f"{CALLS} int8 products of one row by 64x64 weights with a bias, {cpu_kind()} CPU, {args.threads} "

@@ -12,6 +12,12 @@ runtime once torch is loaded, so the kernels wake torch's idle threads (a few mi
 rather than threads of their own (a Python thread pool cost 140 us a call). A compiler
 without OpenMP builds the same kernels single-threaded. Where no compiler works, ``load``
 warns once and returns None, and the caller takes its torch path: slower, never wrong.
+
+The decode products among them are also operators of torch's dispatcher, so a compiled step
+can call them: ``matmul_op`` registers each Python function as one, and ``csrc/ops.cpp``
+defines the same products in C++ (``torch.ops.blockformer_c``), built against torch's headers
+by ``load_cpp_ops`` when a model is prepared for decoding (``make install`` builds it ahead),
+which takes the Python function out of every call, eager or compiled.
 """
 
 from __future__ import annotations
@@ -92,8 +98,55 @@ def matmul_op(fn: Callable) -> None:
     name = fn.__name__
     _OPS.define(name + torch.library.infer_schema(fn, mutates_args=()))
     _OPS.impl(name, fn, "CPU")
-    torch.library.register_fake(f"blockformer::{name}", lambda x, w, *rest: x.new_empty(*x.shape[:-1], w.shape[0]),
-                                lib=_OPS)
+    torch.library.register_fake(f"blockformer::{name}", _fake, lib=_OPS)
+
+
+# Whether torch.ops.blockformer_c (csrc/ops.cpp) is loaded: a plain flag, which torch.compile can read.
+CPP_OPS = False
+_CPP_KERNELS = (("f32_matmul", "f32_matmul_f32"), ("int8_matmul", "int8_matmul_f32"),
+                ("int4_matmul", "int4_matmul_f32"))
+
+
+@functools.cache
+def load_cpp_ops() -> bool:
+    """Build ``csrc/ops.cpp`` against this torch (once per machine; about 10-20 s) and load it,
+    so that ``call`` takes its C++ operators: the decode products without a Python function in
+    between. Where it cannot be built (no C++ compiler, no torch headers, a C kernel missing),
+    a warning once and False: the Python operators of ``matmul_op`` stay, slower, never wrong.
+    Called where a model is prepared for decoding, not inside ``torch.compile``."""
+    global CPP_OPS
+    if CPP_OPS:  # loaded: the operators and their fakes are registered once per process
+        return True
+    kernels = [load(name) for name, _ in _CPP_KERNELS]
+    if any(k is None for k in kernels):
+        return False
+    source = SOURCES / "ops.cpp"
+    try:
+        from torch.utils import cpp_extension
+
+        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        flags = ["-O2", "-std=c++20", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                 *(f"-I{p}" for p in cpp_extension.include_paths())]
+        libs = (*(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu")
+        stamp = " ".join([*flags, *libs, torch.__version__]).encode()
+        key = hashlib.sha256(source.read_bytes() + stamp).hexdigest()
+        lib = _built(source, f"ops-{key[:16]}.so", flags, libs, cxx=True)
+        torch.ops.load_library(str(lib))
+        addresses = [ctypes.cast(getattr(k, symbol), ctypes.c_void_p)
+                     for k, (_, symbol) in zip(kernels, _CPP_KERNELS)]
+        ctypes.CDLL(str(lib)).blockformer_c_set_kernels(*addresses)
+        for name, _ in _CPP_KERNELS:
+            torch.library.register_fake(f"blockformer_c::{name}", _fake)
+    except (OSError, RuntimeError, subprocess.SubprocessError, ImportError) as e:
+        warnings.warn(f"ops.cpp: the C++ operators were not built ({e}); blockformer calls the C kernels from "
+                      "Python instead (slower, same result)", RuntimeWarning, stacklevel=2)
+        return False
+    CPP_OPS = True
+    return True
+
+
+def _fake(x: torch.Tensor, w: torch.Tensor, *rest) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
 def ready(library: Callable) -> bool:
@@ -103,7 +156,10 @@ def ready(library: Callable) -> bool:
 
 
 def call(fn: Callable, *args) -> torch.Tensor:
-    """``fn(*args)`` eagerly; inside ``torch.compile``, its custom op (``matmul_op``)."""
+    """``fn(*args)``: its C++ operator where ``load_cpp_ops`` loaded them; else ``fn`` itself
+    eagerly and, inside ``torch.compile``, its Python operator (``matmul_op``)."""
+    if CPP_OPS:
+        return getattr(torch.ops.blockformer_c, fn.__name__)(*args)
     return (getattr(torch.ops.blockformer, fn.__name__) if torch.compiler.is_compiling() else fn)(*args)
 
 
@@ -124,20 +180,25 @@ def _cpu_id() -> str:
     return platform.machine() + flags
 
 
-def _compiler() -> str:
-    names = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc"]
+def _compiler(cxx: bool = False) -> str:
+    variable, names = ("CXX", ["c++", "g++"]) if cxx else ("CC", ["cc", "gcc"])
+    names = [os.environ[variable]] if os.environ.get(variable) else names
     for name in names:
         if shutil.which(name):
             return name
-    raise RuntimeError(f"no C compiler: {' or '.join(map(repr, names))} is not on PATH (set CC)")
+    raise RuntimeError(f"no C{'++' if cxx else ''} compiler: {' or '.join(map(repr, names))} is not on PATH "
+                       f"(set {variable})")
 
 
-def compile_command(source: Path, output: Path, flags: list[str]) -> list[str]:
-    """The command line that builds the C file ``source`` into the shared library ``output``."""
-    return [_compiler(), *flags, "-o", str(output), str(source), "-lm"]
+def compile_command(source: Path, output: Path, flags: list[str], libs: tuple[str, ...] = ("-lm",),
+                    cxx: bool = False) -> list[str]:
+    """The command line that builds the C (``cxx``: C++) file ``source`` into the shared
+    library ``output``."""
+    return [_compiler(cxx), *flags, "-o", str(output), str(source), *libs]
 
 
-def _built(source: Path, filename: str, flags: list[str]) -> Path:
+def _built(source: Path, filename: str, flags: list[str], libs: tuple[str, ...] = ("-lm",),
+           cxx: bool = False) -> Path:
     """The shared library ``filename``, compiled now if no earlier run left it."""
     for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"blockformer-kernels-{os.getuid()}"):
         lib = folder / filename
@@ -148,8 +209,8 @@ def _built(source: Path, filename: str, flags: list[str]) -> Path:
         except OSError:
             continue
         tmp = folder / f".{filename}.{os.getpid()}"
-        command = compile_command(source, tmp, flags)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        command = compile_command(source, tmp, flags, libs, cxx)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             tmp.unlink(missing_ok=True)
             said = [line for line in done.stderr.splitlines() if "error" in line] or [f"exit {done.returncode}"]

@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import kernels, native
 from ..models.checks import check_model
-from .linears import swap_linears
+from .linears import load_operators_for, swap_linears
 
 
 @functools.cache
@@ -120,8 +120,8 @@ def pack_linears(model: nn.Module, compiled: bool = False) -> nn.Module:
     """Replace every plain ``nn.Linear`` of a CPU ``model`` in place by a ``PackedLinear``
     where its dtype packs (``can_pack``; not if the step will be ``compiled``: it could not
     read the packed weight), else (compiled steps too) by a ``StreamedLinear`` where
-    ``kernels.streams_decode_matmuls`` picks it; others are left as they are. Returns
-    ``model``, in eval mode."""
+    ``kernels.streams_decode_matmuls`` picks it (and its C++ operator is loaded); others are
+    left as they are. Returns ``model``, in eval mode."""
     check_model(model)
 
     def make(linear: nn.Linear) -> nn.Module | None:  # not subclasses: LoRA adds adapters to its product
@@ -132,6 +132,7 @@ def pack_linears(model: nn.Module, compiled: bool = False) -> nn.Module:
         return StreamedLinear.of(linear) if kernels.streams_decode_matmuls(linear.weight.dtype) else None
 
     swap_linears(model, make)
+    load_operators_for(model, StreamedLinear)
     return model.eval()
 
 

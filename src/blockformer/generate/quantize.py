@@ -34,7 +34,7 @@ from torch import nn
 from .. import kernels, native
 from ..models.checks import check_model
 from ..precision import DTYPES
-from .linears import swap_linears
+from .linears import load_operators_for, swap_linears
 from .packed import pack_linears
 
 KERNEL_MAX_ROWS = 4  # torch's packed CPU kernels (bf16) beat a dense matmul only for a few rows
@@ -256,7 +256,8 @@ def quantize(model: nn.Module, scheme: str | None, group_size: int = 128) -> nn.
     ``Int8Linear`` or ``Int4Linear`` (``scheme=None``: leave the model as it is).
     Embeddings, norms and MoE routers keep their dtype; stacked MoE experts are stored in
     int8 under either scheme; a head tied to the embedding gets its own quantized copy.
-    Quantize after moving the model to its device. Returns ``model``, in eval mode."""
+    Quantize after moving the model to its device: on a CPU, the C++ operators of the
+    quantized products are loaded (``native.load_cpp_ops``). Returns ``model``, in eval mode."""
     check_model(model)
     if scheme is None:
         return model
@@ -266,6 +267,7 @@ def quantize(model: nn.Module, scheme: str | None, group_size: int = 128) -> nn.
     for module in model.modules():
         if hasattr(module, "quantize_experts"):  # stacked MoE experts: int8 under either scheme
             module.quantize_experts()
+    load_operators_for(model, QuantizedLinear)
     return model.eval()
 
 

@@ -1,0 +1,109 @@
+/* The decode products of csrc/ (f32_matmul, int8_matmul, int4_matmul) as C++ operators of
+ * torch's dispatcher, torch.ops.blockformer_c.*: an eager layer or a compiled step reaches the
+ * C kernels without a Python function in between (about 6 us a call, 49 calls a GPT-2-small
+ * token). Same schemas, arguments and results as the Python functions in generate/packed.py
+ * and generate/quantize.py. The kernels are the libraries blockformer.native built; their
+ * addresses are handed over once by blockformer_c_set_kernels, so this file links against
+ * torch alone. Built by blockformer.native with the C++ compiler and torch's headers.
+ */
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+extern "C" {
+typedef void (*f32_fn)(const float *, const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t);
+typedef void (*int8_fn)(const float *, const int8_t *, const float *, const float *, float *, int64_t, int64_t,
+                        int64_t, int64_t);
+typedef void (*int4_fn)(const float *, const uint8_t *, const float *, const float *, const float *, float *, float *,
+                        int64_t, int64_t, int64_t, int64_t, int64_t);
+}
+
+static f32_fn f32_kernel;
+static int8_fn int8_kernel;
+static int4_fn int4_kernel;
+
+extern "C" void blockformer_c_set_kernels(void *f32, void *int8, void *int4) {
+    f32_kernel = reinterpret_cast<f32_fn>(f32);
+    int8_kernel = reinterpret_cast<int8_fn>(int8);
+    int4_kernel = reinterpret_cast<int4_fn>(int4);
+}
+
+namespace {
+
+/* torch's threads, at most one per output channel (native.pieces) */
+int64_t pieces(int64_t n) { return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n)); }
+
+/* x's shape with its last dimension n */
+at::Tensor output(const at::Tensor &x, int64_t n) {
+    auto sizes = x.sizes().vec();
+    sizes.back() = n;
+    return at::empty(sizes, x.options());
+}
+
+/* fp32 values the kernel reads (held in `hold` until the call returns), or NULL */
+const float *fp32(const std::optional<at::Tensor> &t, at::Tensor &hold) {
+    if (!t.has_value()) return nullptr;
+    hold = t->to(at::kFloat).contiguous();
+    return hold.data_ptr<float>();
+}
+
+at::Tensor checked(const at::Tensor &x, const at::Tensor &w, int64_t k, at::ScalarType wtype, const char *op) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, op, ": x must be fp32, got ", x.scalar_type());
+    TORCH_CHECK(w.scalar_type() == wtype && w.dim() == 2 && w.is_contiguous() && w.size(1) == k, op,
+                ": the weight must be a contiguous (out, ", k, ") tensor of ", wtype, ", got ", w.sizes(), " ",
+                w.scalar_type());
+    return x.contiguous();
+}
+
+at::Tensor f32_matmul(const at::Tensor &x_, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+    TORCH_CHECK(f32_kernel, "blockformer_c: the kernels were not handed over");
+    const int64_t k = x_.size(-1), n = weight.size(0);
+    at::Tensor x = checked(x_, weight, k, at::kFloat, "f32_matmul"), b, y = output(x, n);
+    f32_kernel(x.data_ptr<float>(), weight.data_ptr<float>(), fp32(bias, b), y.data_ptr<float>(), x.numel() / k, k, n,
+               pieces(n));
+    return y;
+}
+
+at::Tensor int8_matmul(const at::Tensor &x_, const at::Tensor &weight, const at::Tensor &scales,
+                       const std::optional<at::Tensor> &bias) {
+    TORCH_CHECK(int8_kernel, "blockformer_c: the kernels were not handed over");
+    const int64_t k = x_.size(-1), n = weight.size(0);
+    at::Tensor x = checked(x_, weight, k, at::kChar, "int8_matmul"), b, y = output(x, n);
+    const at::Tensor s = scales.to(at::kFloat).contiguous();
+    int8_kernel(x.data_ptr<float>(), weight.data_ptr<int8_t>(), s.data_ptr<float>(), fp32(bias, b), y.data_ptr<float>(),
+                x.numel() / k, k, n, pieces(n));
+    return y;
+}
+
+at::Tensor int4_matmul(const at::Tensor &x_, const at::Tensor &codes, const at::Tensor &scales,
+                       const at::Tensor &zeros, int64_t group_size, const std::optional<at::Tensor> &bias) {
+    TORCH_CHECK(int4_kernel, "blockformer_c: the kernels were not handed over");
+    const int64_t k = x_.size(-1), n = codes.size(0), rows = x_.numel() / std::max<int64_t>(k, 1);
+    at::Tensor x = checked(x_, codes, k / 2, at::kByte, "int4_matmul"), b, y = output(x, n);
+    TORCH_CHECK(group_size > 0 && k % group_size == 0, "int4_matmul: group_size ", group_size, " must divide ", k);
+    const at::Tensor s = scales.to(at::kFloat).contiguous(), z = zeros.to(at::kFloat).contiguous();
+    at::Tensor sums = at::empty({rows, k / group_size}, x.options());
+    int4_kernel(x.data_ptr<float>(), codes.data_ptr<uint8_t>(), s.data_ptr<float>(), z.data_ptr<float>(),
+                fp32(bias, b), y.data_ptr<float>(), sums.data_ptr<float>(), rows, k, group_size, n, pieces(n));
+    return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(blockformer_c, m) {
+    m.def("f32_matmul(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+    m.def("int8_matmul(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor");
+    m.def("int4_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group_size, "
+          "Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(blockformer_c, CPU, m) {
+    m.impl("f32_matmul", &f32_matmul);
+    m.impl("int8_matmul", &int8_matmul);
+    m.impl("int4_matmul", &int4_matmul);
+}

@@ -50,7 +50,7 @@ import torch
 from common import add_shape_args, cpu_kind, gpt2_config, hf_gpt2, timed
 
 from blockformer.generate import generate, pack_linears, speculative_generate
-from blockformer.generate.linears import swap_linears
+from blockformer.generate.linears import load_operators_for, swap_linears
 from blockformer.generate.packed import PackedLinear, StreamedLinear
 from blockformer.generate.quantize import Int4Linear, Int8Linear, quantize
 from blockformer.train.throughput import format_bytes_per_s, memory_bandwidth
@@ -151,6 +151,7 @@ def main() -> None:
         if name.startswith("streamed"):  # csrc/f32_matmul.c on any CPU, to weigh it against the CLI's pick
             ours = copy.deepcopy(float_model)
             swap_linears(ours, lambda m: StreamedLinear.of(m) if type(m) is torch.nn.Linear else None)
+            load_operators_for(ours, StreamedLinear)  # as pack_linears does
 
         def run(tokens: int = n, kw=kw) -> list[list[int]]:
             out = generate(ours, prompt, tokens, temperature=0, **kw)

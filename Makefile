@@ -38,10 +38,11 @@ digits: install
 test: install
 	$(PY) -m pytest -q
 
-# The suite again as an AVX2-only CPU runs it: torch's kernels (ATEN), oneDNN's and blockformer's
-# own CPU-feature choices capped at AVX2 (no AVX-512, no bf16 units). CI runs both passes.
+# The suite again as an AVX2-only CPU runs it: torch's kernels (ATEN), oneDNN's, MKL's (which
+# ATEN_CPU_CAPABILITY does not reach) and blockformer's own CPU-feature choices capped at AVX2
+# (no AVX-512, no bf16 units). CI runs both passes.
 test-avx2: install
-	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(PY) -m pytest -q
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

@@ -28,7 +28,8 @@ plain ``torch.mm``, the ceiling of the unpacked kernels. Reading fewer bytes per
 helps on a CPU: the ``int8-*`` variants store the matmul weights as int8 with per-channel
 scales (weight-only quantization, as gpt-fast does), 4x fewer weight bytes than fp32; the
 ``int4-*`` variants (groups of 128 weights sharing a scale and offset) 8x fewer; both
-change the output a little.
+change the output a little. ``int4a8-*`` read the int4 variants' bytes but round the
+activations to int8 as well (``--quantize int4-a8``), so that their kernel multiplies integers.
 
 ``speculative`` decodes with a draft model (``generate.speculative``): the target's first
 ``--draft-layers`` blocks with its embeddings and head, verified ``--num-draft`` tokens at a
@@ -52,11 +53,11 @@ from common import add_shape_args, cpu_kind, gpt2_config, hf_gpt2, timed
 from blockformer.generate import generate, pack_linears, speculative_generate
 from blockformer.generate.linears import load_operators_for, swap_linears
 from blockformer.generate.packed import PackedLinear, StreamedLinear
-from blockformer.generate.quantize import Int4Linear, Int8Linear, quantize
+from blockformer.generate.quantize import Int4A8Linear, Int4Linear, Int8Linear, quantize
 from blockformer.train.throughput import format_bytes_per_s, memory_bandwidth
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear}
+QUANTIZED = {"int8": ("int8", Int8Linear), "int4": ("int4", Int4Linear), "int4a8": ("int4-a8", Int4A8Linear)}
 
 
 def parse_args() -> argparse.Namespace:
@@ -130,6 +131,8 @@ def main() -> None:
         "int8-compiled": dict(use_cache=True, compile=True),
         "int4-cache": dict(use_cache=True),
         "int4-compiled": dict(use_cache=True, compile=True),
+        "int4a8-cache": dict(use_cache=True),
+        "int4a8-compiled": dict(use_cache=True, compile=True),
     }
     float_model = ours
     greedy: list[list[list[int]]] = []  # plain greedy's tokens, decoded once if a check needs them
@@ -142,8 +145,8 @@ def main() -> None:
     for name, kw in variants.items():
         if name in args.skip:
             continue
-        scheme = name.split("-")[0] if name.startswith("int") else None
-        if scheme is not None and not any(isinstance(m, QUANTIZED[scheme]) for m in ours.modules()):
+        scheme, layer = QUANTIZED[name.split("-")[0]] if name.startswith("int") else (None, None)
+        if scheme is not None and not any(type(m) is layer for m in ours.modules()):
             ours = quantize(copy.deepcopy(float_model), scheme)  # int8 / int4 weights, activations in --dtype
             torch._dynamo.reset()
         if name.startswith("packed"):  # the same weights laid out for the CPU's few-row kernels, as the CLI does

@@ -10,7 +10,7 @@ from torch import nn
 from blockformer import TransformerConfig, build_model, kernels, native
 from blockformer.generate import generate, pack_linears, prepare_for_decoding, quantize
 from blockformer.generate.packed import StreamedLinear, f32_matmul
-from blockformer.generate.quantize import Int4Linear, Int8Linear, int4_matmul, int8_matmul
+from blockformer.generate.quantize import Int4Linear, Int8Linear, int4_a8_matmul, int4_matmul, int8_matmul
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +25,8 @@ def cases():
     return [("f32_matmul", f32_matmul, 200, lambda b: (linear.weight, linear.bias if b else None)),
             ("int8_matmul", int8_matmul, 200, lambda b: (int8.weight, int8.scales, int8.bias if b else None)),
             ("int4_matmul", int4_matmul, 192,
+             lambda b: (int4.codes, int4.scales, int4.zeros, 64, int4.bias if b else None)),
+            ("int4_a8_matmul", int4_a8_matmul, 192,
              lambda b: (int4.codes, int4.scales, int4.zeros, 64, int4.bias if b else None))]
 
 
@@ -54,7 +56,7 @@ def profiled_ops(fn) -> set[str]:
     return {e.name for e in prof.events() if e.name.startswith("blockformer")}
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int4-a8"])
 def test_preparing_a_model_for_decoding_loads_them_and_eager_and_compiled_steps_call_them(scheme, monkeypatch):
     cfg = TransformerConfig(arch="decoder", vocab_size=50, d_model=64, n_layers=2, n_heads=4, init_std=0.1)
     model = build_model(cfg, seed=0).eval()
@@ -64,26 +66,27 @@ def test_preparing_a_model_for_decoding_loads_them_and_eager_and_compiled_steps_
     assert native.CPP_OPS  # loaded by the preparation
     prompt = [[5, 9, 2, 7, 11]]
     eager = generate(model, prompt, 6, temperature=0)
-    assert profiled_ops(lambda: generate(model, prompt, 6, temperature=0)) == {f"blockformer_c::{scheme}_matmul"}
+    op = f"blockformer_c::{scheme.replace('-', '_')}_matmul"
+    assert profiled_ops(lambda: generate(model, prompt, 6, temperature=0)) == {op}
     layer = next(m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear)))
     compiled = torch.compile(layer, fullgraph=True)
     x = torch.randn(1, 1, layer.in_features)
     with torch.inference_mode():
         expected = layer(x)
         assert torch.equal(compiled(x), expected)
-        assert profiled_ops(lambda: compiled(x)) == {f"blockformer_c::{scheme}_matmul"}
+        assert profiled_ops(lambda: compiled(x)) == {op}
     monkeypatch.setattr(native, "CPP_OPS", False)  # the Python operators give the same tokens
     assert generate(model, prompt, 6, temperature=0) == eager
 
 
-@pytest.mark.parametrize("make", ["int8", "int4", "streamed", "packed"])
+@pytest.mark.parametrize("make", ["int8", "int4", "int4-a8", "streamed", "packed"])
 def test_quantizing_or_streaming_loads_them_and_packing_alone_does_not(make, monkeypatch):
     cfg = TransformerConfig(arch="decoder", vocab_size=50, d_model=64, n_layers=1, n_heads=4)
     model = build_model(cfg, seed=0).eval()
     monkeypatch.setattr(native, "CPP_OPS", False)
     monkeypatch.setattr(kernels, "streams_decode_matmuls", lambda dtype: make == "streamed")
     native.load_cpp_ops.cache_clear()
-    if make in ("int8", "int4"):
+    if make in ("int8", "int4", "int4-a8"):
         quantize(model, make)  # as `blockformer eval --quantize` and bench_decode do, without prepare_for_decoding
     else:
         pack_linears(model, compiled=True)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from blockformer import TransformerConfig, build_model, native
 from blockformer.generate import generate
 from blockformer.kernels import NATIVE_QUANTIZED_ROWS
-from blockformer.generate.quantize import KERNEL_MAX_ROWS, Int4Linear, Int8Linear, prepare_for_decoding, quantize
+from blockformer.generate.quantize import (KERNEL_MAX_ROWS, Int4A8Linear, Int4Linear, Int8Linear, prepare_for_decoding,
+                                           quantize, round_activations)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -87,7 +88,7 @@ QUANTIZE = importlib.import_module("blockformer.generate.quantize")  # the packa
 def count_kernel_calls(monkeypatch) -> list[tuple[int, int]]:
     """(output channels, threads) of each call into the int8 and int4 C kernels from now on."""
     calls = []
-    for name in ("_int8_matmul", "_int4_matmul"):
+    for name in ("_int8_matmul", "_int4_matmul", "_int4_a8_matmul"):
         real = getattr(QUANTIZE, name)()
         monkeypatch.setattr(QUANTIZE, name, lambda real=real: lambda *a: calls.append(a[-2:]) or real(*a))
     monkeypatch.setattr(native, "CPP_OPS", False)  # the Python operators, which call the counted functions
@@ -146,7 +147,7 @@ def test_each_build_of_the_c_kernels_equals_the_dequantized_product(cap, flags, 
     reads the int4 codes in pack_int4's order and the int8 weights row by row."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the instruction-set flags are x86's")
-    builds = (native.load, QUANTIZE._int8_matmul, QUANTIZE._int4_matmul)
+    builds = (native.load, QUANTIZE._int8_matmul, QUANTIZE._int4_matmul, QUANTIZE._int4_a8_matmul)
     torch.manual_seed(0)
     int8, int4 = Int8Linear(nn.Linear(200, 77)), Int4Linear(nn.Linear(192, 50), group_size=64)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
@@ -162,11 +163,59 @@ def test_each_build_of_the_c_kernels_equals_the_dequantized_product(cap, flags, 
             x = torch.randn(rows, 192)
             torch.testing.assert_close(QUANTIZE.int4_matmul(x, int4.codes, int4.scales, int4.zeros, 64, b4),
                                        F.linear(x, int4.dequantized(torch.float32), b4), atol=1e-4, rtol=1e-4)
-        assert QUANTIZE._int8_matmul() is not None and QUANTIZE._int4_matmul() is not None  # built, not torch's
+            torch.testing.assert_close(QUANTIZE.int4_a8_matmul(x, int4.codes, int4.scales, int4.zeros, 64, b4),
+                                       F.linear(round_activations(x), int4.dequantized(torch.float32), b4),
+                                       atol=1e-5, rtol=1e-5)  # integer sums: exact up to the float ones' order
+        assert None not in (QUANTIZE._int8_matmul(), QUANTIZE._int4_matmul(), QUANTIZE._int4_a8_matmul())  # built
     finally:
         monkeypatch.undo()
         for build in builds:  # the next test builds for this machine again
             build.cache_clear()
+
+
+def test_round_activations_gives_each_block_of_32_its_own_255_levels():
+    torch.manual_seed(0)
+    x = torch.randn(3, 96) * torch.tensor([1.0, 100.0, 0.01]).repeat_interleave(32)  # blocks of very different scale
+    x[1, 32:64] = 0  # a block of zeros stays zeros
+    r = round_activations(x)
+    step = x.reshape(3, 3, 32).abs().amax(-1, keepdim=True) / 127
+    assert (r.reshape(3, 3, 32) - x.reshape(3, 3, 32)).abs().le(step / 2 + 1e-6 * step).all()  # within half a step
+    levels = r.reshape(3, 3, 32) / step.clamp(min=1e-30)
+    torch.testing.assert_close(levels, levels.round(), atol=1e-4, rtol=0)  # whole steps of each block's own size
+    assert levels.abs().amax(-1).flatten().tolist() == pytest.approx([127.0] * 4 + [0.0] + [127.0] * 4)
+    assert not torch.equal(r, x)
+    assert round_activations(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int4_a8_rows_equal_the_rounded_activations_times_the_dequantized_weight_on_every_path(threads, monkeypatch):
+    """The kernel's integer sums, the dense path past the kernel's rows and torch's fallback all
+    compute round_activations(x) @ W.T + b; and that differs from int4's weight-only product by
+    the activations' rounding alone (it is applied, and small)."""
+    calls = count_kernel_calls(monkeypatch)
+    torch.manual_seed(0)
+    q = Int4A8Linear(nn.Linear(192, 50), group_size=64)
+    weight_only = Int4Linear(nn.Linear(192, 50), group_size=64)
+    weight_only.load_state_dict(q.state_dict())
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in ROWS:
+            x = torch.randn(rows, 192)
+            exact = F.linear(round_activations(x), q.dequantized(torch.float32), q.bias)
+            y = q(x)
+            torch.testing.assert_close(y, exact, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(q(x[:, None]), exact[:, None], atol=1e-5, rtol=1e-5)
+            w = weight_only(x)
+            gap = (y - w).abs().max() / w.abs().max()
+            assert 1e-5 < gap < 0.02, gap
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [(50, threads)] * 3 * (len(ROWS) - 1)  # the kernels up to their limit: 2 int4-a8 calls, 1 int4
+    monkeypatch.setattr(QUANTIZE, "_int4_a8_matmul", lambda: None)  # not built: torch computes the same
+    x = torch.randn(2, 192)
+    torch.testing.assert_close(q(x), F.linear(round_activations(x), q.dequantized(torch.float32), q.bias),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_int4_codes_hold_inputs_j_and_8_plus_j_of_each_run_of_16_in_one_byte():

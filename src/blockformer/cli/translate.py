@@ -41,8 +41,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, batch_default: int |
 
 
 def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                        help="weight-only int8 or int4 (CPU) matmuls: faster decoding, slightly different outputs")
+    parser.add_argument("--quantize", choices=["int8", "int4", "int4-a8"], default=None,
+                        help="weight-only int8 or int4 matmuls, or int4 weights against activations rounded to int8 "
+                             "(int4-a8, the fastest CPU kernel): faster decoding, slightly different outputs")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-/* The decode products of csrc/ (f32_matmul, int8_matmul, int4_matmul) as C++ operators of
+/* The decode products of csrc/ (f32_matmul, int8_matmul, int4_matmul, int4_a8_matmul) as C++ operators of
  * torch's dispatcher, torch.ops.blockformer_c.*: an eager layer or a compiled step reaches the
  * C kernels without a Python function in between (about 6 us a call, 49 calls a GPT-2-small
  * token). Same schemas, arguments and results as the Python functions in generate/packed.py
@@ -25,12 +25,13 @@ typedef void (*int4_fn)(const float *, const uint8_t *, const float *, const flo
 
 static f32_fn f32_kernel;
 static int8_fn int8_kernel;
-static int4_fn int4_kernel;
+static int4_fn int4_kernel, int4_a8_kernel;  // the same arguments; int4_a8's scratch holds the rounded rows
 
-extern "C" void blockformer_c_set_kernels(void *f32, void *int8, void *int4) {
+extern "C" void blockformer_c_set_kernels(void *f32, void *int8, void *int4, void *int4_a8) {
     f32_kernel = reinterpret_cast<f32_fn>(f32);
     int8_kernel = reinterpret_cast<int8_fn>(int8);
     int4_kernel = reinterpret_cast<int4_fn>(int4);
+    int4_a8_kernel = reinterpret_cast<int4_fn>(int4_a8);
 }
 
 namespace {
@@ -93,6 +94,20 @@ at::Tensor int4_matmul(const at::Tensor &x_, const at::Tensor &codes, const at::
     return y;
 }
 
+at::Tensor int4_a8_matmul(const at::Tensor &x_, const at::Tensor &codes, const at::Tensor &scales,
+                          const at::Tensor &zeros, int64_t group_size, const std::optional<at::Tensor> &bias) {
+    TORCH_CHECK(int4_a8_kernel, "blockformer_c: the kernels were not handed over");
+    const int64_t k = x_.size(-1), n = codes.size(0), rows = x_.numel() / std::max<int64_t>(k, 1);
+    at::Tensor x = checked(x_, codes, k / 2, at::kByte, "int4_a8_matmul"), b, y = output(x, n);
+    TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && k % group_size == 0, "int4_a8_matmul: group_size ",
+                group_size, " must be a multiple of 32 that divides ", k);
+    const at::Tensor s = scales.to(at::kFloat).contiguous(), z = zeros.to(at::kFloat).contiguous();
+    at::Tensor scratch = at::empty({rows * (k / 4 + k / 32 + k / group_size)}, x.options());
+    int4_a8_kernel(x.data_ptr<float>(), codes.data_ptr<uint8_t>(), s.data_ptr<float>(), z.data_ptr<float>(),
+                   fp32(bias, b), y.data_ptr<float>(), scratch.data_ptr<float>(), rows, k, group_size, n, pieces(n));
+    return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(blockformer_c, m) {
@@ -100,10 +115,13 @@ TORCH_LIBRARY(blockformer_c, m) {
     m.def("int8_matmul(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor");
     m.def("int4_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group_size, "
           "Tensor? bias=None) -> Tensor");
+    m.def("int4_a8_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group_size, "
+          "Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(blockformer_c, CPU, m) {
     m.impl("f32_matmul", &f32_matmul);
     m.impl("int8_matmul", &int8_matmul);
     m.impl("int4_matmul", &int4_matmul);
+    m.impl("int4_a8_matmul", &int4_a8_matmul);
 }

@@ -9,6 +9,10 @@ point; only the weights are rounded.
 - ``int4``: groups of ``group_size`` consecutive input weights share a scale and an offset
   (asymmetric, 16 levels spanning the group's min..max). A decode step reads 8x fewer
   weight bytes than fp32, at a larger rounding error.
+- ``int4-a8``: the same int4 weights against activations rounded to int8 as they arrive
+  (blocks of 32 inputs, each with its own scale: llama.cpp's 4-bit-by-8-bit products, torchao's
+  "8da4w"), so that the CPU kernel multiplies integers: the same bytes as ``int4``, less
+  arithmetic per byte, and a small extra rounding of the activations.
 
 With fp32 activations PyTorch's packed low-bit CPU kernels are slower than the float model,
 so a decode step uses blockformer's own (``csrc/int8_matmul.c``, ``csrc/int4_matmul.c``, built
@@ -59,6 +63,10 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        """What the dense path multiplies by the dequantized weight: ``x`` itself (weight-only schemes)."""
+        return x
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
@@ -70,7 +78,7 @@ class QuantizedLinear(nn.Module):
         few = rows <= KERNEL_MAX_ROWS or kernels.native_quantized_matmul(dtype, rows, self.bits)
         if device == "cpu" and few and not cast_in_graph:
             return self.kernel(x)
-        return F.linear(x, self.dequantized(dtype), None if self.bias is None else self.bias.to(dtype))
+        return F.linear(self.activations(x), self.dequantized(dtype), None if self.bias is None else self.bias.to(dtype))
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T + b`` for a few rows ``x`` (any leading dimensions: the C kernels take them
@@ -130,6 +138,11 @@ def _int4_matmul():
     return native.function("int4_matmul", "int4_matmul_f32", 7, 5)
 
 
+@functools.cache
+def _int4_a8_matmul():
+    return native.function("int4_a8_matmul", "int4_a8_matmul_f32", 7, 5)
+
+
 # The C kernels as functions of tensors, and as custom ops (``native.matmul_op``) so that a
 # compiled decode step calls them too. fp32 rows, up to kernels.NATIVE_QUANTIZED_ROWS; output channels split
 # over torch's threads inside the kernel.
@@ -162,6 +175,34 @@ def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zero
     return y
 
 
+def int4_a8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``round_activations(x) @ W.T + bias`` for ``Int4Linear``'s codes, scales and zeros, by
+    ``csrc/int4_a8_matmul.c`` (the same in torch if it is not built), for ``x`` of any leading dimensions."""
+    if _int4_a8_matmul() is None:
+        return F.linear(round_activations(x), dequantize_int4(codes, scales, zeros, group_size, x.dtype), bias)
+    x, k, n = x.contiguous(), x.shape[-1], codes.shape[0]
+    rows, scales, zeros = x.numel() // k, scales.float().contiguous(), zeros.float().contiguous()
+    y, bias = x.new_empty(*x.shape[:-1], n), _fp32(bias)
+    scratch = x.new_empty(rows * (k // 4 + k // ACTIVATION_BLOCK + k // group_size))  # the rounded rows
+    _int4_a8_matmul()(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), _pointer(bias),
+                      y.data_ptr(), scratch.data_ptr(), rows, k, group_size, n, native.pieces(n))
+    return y
+
+
+ACTIVATION_BLOCK = 32  # inputs per int8 scale in int4-a8, as llama.cpp's 8-bit blocks
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with each run of ``ACTIVATION_BLOCK`` values along its last dimension rounded to
+    one of 255 levels, ``d * round(x / d)`` for ``d = max|x| / 127`` over the run (0 stays 0):
+    what ``int4-a8``'s kernel multiplies the codes by. Computed in fp32, as the kernel does."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, ACTIVATION_BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return ((blocks * inverse).round() * (amax / 127.0)).reshape(x.shape).to(x.dtype)
+
+
 def _fp32(bias: torch.Tensor | None) -> torch.Tensor | None:
     return None if bias is None else bias.float().contiguous()
 
@@ -173,6 +214,7 @@ def _pointer(bias: torch.Tensor | None) -> int:
 
 native.matmul_op(int8_matmul)
 native.matmul_op(int4_matmul)
+native.matmul_op(int4_a8_matmul)
 
 
 class Int4Linear(QuantizedLinear):
@@ -226,6 +268,24 @@ class Int4Linear(QuantizedLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4, group_size={self.group_size}"
 
 
+class Int4A8Linear(Int4Linear):
+    """``Int4Linear``'s weights, multiplied by activations rounded to int8 (``round_activations``)
+    on every path: by ``csrc/int4_a8_matmul.c`` at a decode step's few rows on the CPU (bf16 rows
+    widened to fp32 first), as the rounded activations times the dequantized weight elsewhere."""
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        return round_activations(x)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self._rows(x) <= kernels.NATIVE_QUANTIZED_ROWS and native.ready(_int4_a8_matmul):
+            y = native.call(int4_a8_matmul, x.float(), self.codes, self.scales, self.zeros, self.group_size, self.bias)
+            return y.to(x.dtype)
+        return F.linear(round_activations(x), self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr().replace("int4", "int4-a8", 1)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Codes ``q`` (n, k) in 0..15, k a multiple of 16, two per byte: in each run of 16 inputs,
     byte j holds input j (low nibble) and input 8 + j (high), the order in which the C kernel
@@ -248,12 +308,13 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     return ((q - 8) * scales.to(dtype)[..., None] + zeros.to(dtype)[..., None]).reshape(n, k)
 
 
-SCHEMES = ("int8", "int4")
+SCHEMES = ("int8", "int4", "int4-a8")
+LAYERS = {"int8": Int8Linear, "int4": Int4Linear, "int4-a8": Int4A8Linear}
 
 
 def quantize(model: nn.Module, scheme: str | None, group_size: int = 128) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (attention, FFN, output head) in place by an
-    ``Int8Linear`` or ``Int4Linear`` (``scheme=None``: leave the model as it is).
+    ``Int8Linear``, ``Int4Linear`` or ``Int4A8Linear`` (``scheme=None``: leave the model as it is).
     Embeddings, norms and MoE routers keep their dtype; stacked MoE experts are stored in
     int8 under either scheme; a head tied to the embedding gets its own quantized copy.
     Quantize after moving the model to its device: on a CPU, the C++ operators of the
@@ -263,7 +324,8 @@ def quantize(model: nn.Module, scheme: str | None, group_size: int = 128) -> nn.
         return model
     if scheme not in SCHEMES:
         raise ValueError(f"quantize scheme={scheme!r}: expected one of {SCHEMES}")
-    swap_linears(model, lambda lin: Int8Linear(lin) if scheme == "int8" else Int4Linear(lin, group_size))
+    layer = LAYERS[scheme]
+    swap_linears(model, lambda lin: layer(lin) if layer is Int8Linear else layer(lin, group_size))
     for module in model.modules():
         if hasattr(module, "quantize_experts"):  # stacked MoE experts: int8 under either scheme
             module.quantize_experts()

@@ -1,0 +1,155 @@
+/* The int4 product of csrc/int4_matmul.c (same codes, scales and zeros) with its activations
+ * rounded to int8 first, so that the inner loop multiplies integers: llama.cpp's way on a CPU
+ * (4-bit weights against 8-bit activations), and torchao's "8da4w". Each row of x is cut into
+ * blocks of 32 inputs, each with its own scale d = max|x| / 127 and int8 values
+ * xq = round(x / d). Per group g of G inputs (G a multiple of 32) and output o:
+ *     y[r, o] = scale[o, g] * sum_b d[r, b] sum_{k in b} q[o, k] xq[r, k] + (zero[o, g] - 8 scale[o, g]) dq[r, g]
+ * with dq[r, g] = sum_b d[r, b] sum_{k in b} xq[r, k], plus bias[o] where given (not NULL): the
+ * dequantized weight times the rounded activations, as generate/quantize.py's dense path
+ * computes it (round_activations, then F.linear). With AVX2, 32 codes are
+ * multiplied by 32 int8 inputs and summed in 8 int32 lanes by two instructions (one with
+ * AVX512-VNNI): against the fp32 kernel's 4 conversions and 4 FMAs per 32 codes. Elsewhere plain C
+ * with the same integer sums. Built at first use by blockformer.native.
+ */
+#include "rows.h"
+
+#define BLOCK 32
+
+/* The rows' activations as the kernel reads them: xq[r, k] int8, in the order that 16 code bytes
+ * unpack to (the low nibbles of a run of 32 inputs hold inputs 0-7 and 16-23, the high ones 8-15
+ * and 24-31: pack_int4), d[r, b] per block of 32, and per group dq[r, g], the sum of the rounded
+ * inputs. */
+typedef struct {
+    int8_t *xq;
+    float *d, *dq;
+} Rounded;
+
+/* where input k of a block of 32 is stored: inputs 8-15 and 16-23 swap places */
+static inline int64_t position(int64_t k) { return (((k >> 3) ^ (k >> 4)) & 1) ? k ^ 24 : k; }
+
+static void round_rows(const float *x, Rounded a, int64_t rows, int64_t K, int64_t G) {
+    const int64_t blocks = K / BLOCK, per_group = G / BLOCK;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *xb = x + r * K + b * BLOCK;
+            float amax = 0;
+            for (int k = 0; k < BLOCK; k++) {
+                const float v = xb[k] < 0 ? -xb[k] : xb[k];
+                amax = v > amax ? v : amax;
+            }
+            const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+            int32_t qsum = 0;
+            int8_t *out = a.xq + r * K + b * BLOCK;
+            for (int k = 0; k < BLOCK; k++) {
+                const int32_t q = (int32_t)__builtin_nearbyintf(xb[k] * inv);
+                out[position(k)] = (int8_t)q;
+                qsum += q;
+            }
+            const float d = amax / 127.0f;
+            const int64_t g = r * (K / G) + b / per_group;
+            a.d[r * blocks + b] = d;
+            if (b % per_group == 0) a.dq[g] = 0;
+            a.dq[g] += d * (float)qsum;
+        }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* the 32 codes of 16 bytes as unsigned bytes, in the order round_rows stores the inputs */
+static inline __m256i codes32(const uint8_t *c) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)c), low = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+}
+
+/* the 8 int32 lanes of sum q * xq over 32 inputs */
+static inline __m256i dot32(__m256i q, const int8_t *xq) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+#endif
+}
+
+#define ROWS(R)                                                                                    \
+    static void rows_##R(Rounded a, const uint8_t *codes, const float *scales, const float *zeros, \
+                         const float *bias, float *y, int64_t o0, int64_t o1, int64_t K, int64_t G, int64_t N) { \
+        const int64_t groups = K / G, blocks = K / BLOCK;                                          \
+        for (int64_t o = o0; o < o1; o++) {                                                        \
+            const uint8_t *co = codes + o * (K / 2);                                               \
+            prefetch_ahead(co, K / 2);                                                             \
+            __m256 total[R];                                                                       \
+            float offset[R];                                                                       \
+            for (int r = 0; r < R; r++) total[r] = _mm256_setzero_ps(), offset[r] = 0;             \
+            for (int64_t g = 0; g < groups; g++) {                                                 \
+                __m256 acc[R];                                                                     \
+                for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                          \
+                for (int64_t k = g * G; k < (g + 1) * G; k += BLOCK) {                             \
+                    const __m256i q = codes32(co + k / 2);                                         \
+                    for (int r = 0; r < R; r++)                                                    \
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(q, a.xq + r * K + k)),  \
+                                                 _mm256_broadcast_ss(a.d + r * blocks + k / BLOCK), acc[r]); \
+                }                                                                                  \
+                const float s = scales[o * groups + g], z = zeros[o * groups + g];                 \
+                for (int r = 0; r < R; r++) {                                                      \
+                    total[r] = _mm256_fmadd_ps(_mm256_set1_ps(s), acc[r], total[r]);               \
+                    offset[r] += (z - 8.0f * s) * a.dq[r * groups + g];                            \
+                }                                                                                  \
+            }                                                                                      \
+            for (int r = 0; r < R; r++) y[r * N + o] = hsum(total[r]) + offset[r] + (bias ? bias[o] : 0.0f); \
+        }                                                                                          \
+    }
+#else
+#define ROWS(R)                                                                                    \
+    static void rows_##R(Rounded a, const uint8_t *codes, const float *scales, const float *zeros, \
+                         const float *bias, float *y, int64_t o0, int64_t o1, int64_t K, int64_t G, int64_t N) { \
+        const int64_t groups = K / G, blocks = K / BLOCK;                                          \
+        for (int64_t o = o0; o < o1; o++) {                                                        \
+            const uint8_t *co = codes + o * (K / 2);                                               \
+            float total[R] = {0};                                                                  \
+            for (int64_t g = 0; g < groups; g++) {                                                 \
+                float acc[R] = {0};                                                                \
+                for (int64_t k = g * G; k < (g + 1) * G; k += BLOCK) {                             \
+                    int32_t dot[R] = {0};                                                          \
+                    for (int j = 0; j < BLOCK / 2; j++) { /* byte j: positions j (low), j + 16 (high) */ \
+                        const int32_t lo = co[k / 2 + j] & 15, hi = co[k / 2 + j] >> 4;            \
+                        for (int r = 0; r < R; r++)                                                \
+                            dot[r] += lo * a.xq[r * K + k + j] + hi * a.xq[r * K + k + j + 16];    \
+                    }                                                                              \
+                    for (int r = 0; r < R; r++) acc[r] += a.d[r * blocks + k / BLOCK] * (float)dot[r]; \
+                }                                                                                  \
+                const float s = scales[o * groups + g], z = zeros[o * groups + g];                 \
+                for (int r = 0; r < R; r++)                                                        \
+                    total[r] += s * acc[r] + (z - 8.0f * s) * a.dq[r * groups + g];                \
+            }                                                                                      \
+            for (int r = 0; r < R; r++) y[r * N + o] = total[r] + (bias ? bias[o] : 0.0f);        \
+        }                                                                                          \
+    }
+#endif
+
+ALL_ROWS
+
+static Rounded offset_rows(Rounded a, int64_t r0, int64_t K, int64_t G) {
+    return (Rounded){a.xq + r0 * K, a.d + r0 * (K / BLOCK), a.dq + r0 * (K / G)};
+}
+
+static void span(Rounded a, const uint8_t *codes, const float *scales, const float *zeros, const float *bias,
+                 float *y, int64_t rows, int64_t o0, int64_t o1, int64_t K, int64_t G, int64_t N) {
+    EACH_BLOCK(rows, o0, o1, offset_rows(a, r0, K, G), codes, scales, zeros, bias, y + r0 * N, c0, c1, K, G, N)
+}
+
+/* x: rows of K contiguous floats; K and G multiples of 32, G dividing K. The rows are rounded
+ * once, on the calling thread, into `scratch` (the caller's) of rows * (K / 4 + K / 32 + K / G)
+ * floats; then the N output channels split into `threads`
+ * spans, one per thread of torch's OpenMP runtime. */
+void int4_a8_matmul_f32(const float *x, const uint8_t *codes, const float *scales, const float *zeros,
+                        const float *bias, float *y, float *scratch, int64_t rows, int64_t K, int64_t G,
+                        int64_t N, int64_t threads) {
+    Rounded a;
+    a.d = scratch;
+    a.dq = a.d + rows * (K / BLOCK);
+    a.xq = (int8_t *)(a.dq + rows * (K / G));
+    round_rows(x, a, rows, K, G);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int64_t t = 0; t < threads; t++)
+        span(a, codes, scales, zeros, bias, y, rows, N * t / threads, N * (t + 1) / threads, K, G, N);
+}

@@ -11,6 +11,7 @@ the memory.
     OMP_NUM_THREADS=2 python benchmarks/bench_kernel_ab.py --kernel f32_matmul --base HEAD~1
     ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=2 python benchmarks/bench_kernel_ab.py --kernel int8_matmul --base main
     OMP_NUM_THREADS=2 python benchmarks/bench_kernel_ab.py --kernel int4_matmul --rows 1,4
+    OMP_NUM_THREADS=2 python benchmarks/bench_kernel_ab.py --kernel int4_a8_matmul --base HEAD~1
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from bench_kernels import shapes
 from common import cpu_kind
 
 from blockformer import native
-from blockformer.generate.quantize import pack_int4
+from blockformer.generate.quantize import dequantize_int4, pack_int4, round_activations
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP = 128  # int4: inputs per scale and offset, as Int4Linear's default
@@ -57,12 +58,23 @@ def int4_case(i: int, o: int, rows: int):
         lambda: F.linear(x, dense), codes.numel() + (scales.numel() + zeros.numel()) * 4
 
 
+def int4_a8_case(i: int, o: int, rows: int):
+    """As int4_case, the scratch sized for the rounded rows; the reference rounds x as the kernel does."""
+    tensors, args, _, nbytes = int4_case(i, o, rows)
+    x, codes, scales, zeros, y, _ = tensors
+    scratch = torch.empty(rows * (i // 4 + i // 32 + i // GROUP))
+    args[6] = scratch
+    dense = dequantize_int4(codes, scales, zeros, GROUP, torch.float32)
+    return (x, codes, scales, zeros, y, scratch), args, lambda: F.linear(round_activations(x), dense), nbytes
+
+
 # kernel -> (its symbol, how many pointer and integer arguments it takes, one weight's case, the index
 # of the output among the case's tensors). The quantized kernels take a bias (0: none) since 2026-12-04:
 # a --base before that has the old arguments and cannot be compared with these cases.
 KERNELS = {"f32_matmul": ("f32_matmul_f32", (4, 4), f32_case, 3),
            "int8_matmul": ("int8_matmul_f32", (5, 4), int8_case, 3),
-           "int4_matmul": ("int4_matmul_f32", (7, 5), int4_case, 4)}
+           "int4_matmul": ("int4_matmul_f32", (7, 5), int4_case, 4),
+           "int4_a8_matmul": ("int4_a8_matmul_f32", (7, 5), int4_a8_case, 4)}
 
 
 def build(kernel: str, base: str | None, folder: Path) -> Callable:

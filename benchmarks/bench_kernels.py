@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockformer.generate.packed import PackedLinear, can_pack, f32_matmul
-from blockformer.generate.quantize import Int4Linear, Int8Linear, int4_matmul, int8_matmul
+from blockformer.generate.quantize import Int4Linear, Int8Linear, int4_a8_matmul, int4_matmul, int8_matmul
 from blockformer.train.throughput import format_bytes_per_s, memory_bandwidth
 
 from common import cpu_kind
@@ -50,6 +50,8 @@ def variants(linears: list[nn.Linear]) -> dict[str, tuple[int, list[Callable]]]:
             for q in int4]),
         "int4, csrc/int4_matmul.c": (int4_bytes, [
             lambda x, q=q: int4_matmul(x, q.codes, q.scales, q.zeros, q.group_size) for q in int4]),
+        "int4, activations rounded to int8, csrc/int4_a8_matmul.c": (int4_bytes, [  # --quantize int4-a8
+            lambda x, q=q: int4_a8_matmul(x, q.codes, q.scales, q.zeros, q.group_size) for q in int4]),
     }
     if can_pack(torch.float32):  # where kernels.packs_on_this_cpu picks oneDNN's blocked layout for fp32
         table["fp32, oneDNN packed (PackedLinear)"] = (fp32_bytes, [PackedLinear(m) for m in linears])

@@ -8,8 +8,9 @@
  * dequantized weight times the rounded activations, as generate/quantize.py's dense path
  * computes it (round_activations, then F.linear). With AVX2, 32 codes are
  * multiplied by 32 int8 inputs and summed in 8 int32 lanes by two instructions (one with
- * AVX512-VNNI): against the fp32 kernel's 4 conversions and 4 FMAs per 32 codes. Elsewhere plain C
- * with the same integer sums. Built at first use by blockformer.native.
+ * AVX512-VNNI): against the fp32 kernel's 4 conversions and 4 FMAs per 32 codes; at one row two
+ * output channels share each load of the inputs. Elsewhere plain C with the same integer sums.
+ * Built at first use by blockformer.native.
  */
 #include "rows.h"
 
@@ -60,15 +61,16 @@ static inline __m256i codes32(const uint8_t *c) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
 }
 
-/* the 8 int32 lanes of sum q * xq over 32 inputs */
-static inline __m256i dot32(__m256i q, const int8_t *xq) {
-    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+/* the 8 int32 lanes of sum q * x over 32 codes q and rounded inputs x */
+static inline __m256i dot32(__m256i q, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
 #endif
 }
+
+static inline __m256i load32(const int8_t *xq) { return _mm256_loadu_si256((const __m256i *)xq); }
 
 #define ROWS(R)                                                                                    \
     static void rows_##R(Rounded a, const uint8_t *codes, const float *scales, const float *zeros, \
@@ -86,7 +88,7 @@ static inline __m256i dot32(__m256i q, const int8_t *xq) {
                 for (int64_t k = g * G; k < (g + 1) * G; k += BLOCK) {                             \
                     const __m256i q = codes32(co + k / 2);                                         \
                     for (int r = 0; r < R; r++)                                                    \
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(q, a.xq + r * K + k)),  \
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(q, load32(a.xq + r * K + k))),  \
                                                  _mm256_broadcast_ss(a.d + r * blocks + k / BLOCK), acc[r]); \
                 }                                                                                  \
                 const float s = scales[o * groups + g], z = zeros[o * groups + g];                 \
@@ -126,7 +128,45 @@ static inline __m256i dot32(__m256i q, const int8_t *xq) {
     }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define rows_1 rows_1_one /* the generic body, for an odd channel left over */
+ROWS(1)
+#undef rows_1
+ROWS(2) ROWS(3) ROWS(4)
+/* One row: two output channels at a time share each load of the rounded inputs and their scales. */
+static void rows_1(Rounded a, const uint8_t *codes, const float *scales, const float *zeros, const float *bias,
+                   float *y, int64_t o0, int64_t o1, int64_t K, int64_t G, int64_t N) {
+    const int64_t groups = K / G;
+    int64_t o = o0;
+    for (; o + 2 <= o1; o += 2) {
+        const uint8_t *c0 = codes + o * (K / 2), *c1 = c0 + K / 2;
+        prefetch_ahead(c0, K);
+        __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+        float f0 = 0, f1 = 0;
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            for (int64_t k = g * G; k < (g + 1) * G; k += BLOCK) {
+                const __m256i x = load32(a.xq + k);
+                const __m256 d = _mm256_broadcast_ss(a.d + k / BLOCK);
+                const __m256i s0 = dot32(codes32(c0 + k / 2), x), s1 = dot32(codes32(c1 + k / 2), x);
+                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), d, a0);
+                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), d, a1);
+            }
+            const float s0 = scales[o * groups + g], z0 = zeros[o * groups + g];
+            const float s1 = scales[(o + 1) * groups + g], z1 = zeros[(o + 1) * groups + g];
+            t0 = _mm256_fmadd_ps(_mm256_set1_ps(s0), a0, t0);
+            t1 = _mm256_fmadd_ps(_mm256_set1_ps(s1), a1, t1);
+            f0 += (z0 - 8.0f * s0) * a.dq[g];
+            f1 += (z1 - 8.0f * s1) * a.dq[g];
+        }
+        y[o] = hsum(t0) + f0 + (bias ? bias[o] : 0.0f);
+        y[o + 1] = hsum(t1) + f1 + (bias ? bias[o + 1] : 0.0f);
+    }
+    if (o < o1) rows_1_one(a, codes, scales, zeros, bias, y, o, o1, K, G, N);
+}
+#else
 ALL_ROWS
+#endif
 
 static Rounded offset_rows(Rounded a, int64_t r0, int64_t K, int64_t G) {
     return (Rounded){a.xq + r0 * K, a.d + r0 * (K / BLOCK), a.dq + r0 * (K / G)};

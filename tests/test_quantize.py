@@ -212,6 +212,9 @@ def test_int4_a8_rows_equal_the_rounded_activations_times_the_dequantized_weight
     finally:
         torch.set_num_threads(before)
     assert calls == [(50, threads)] * 3 * (len(ROWS) - 1)  # the kernels up to their limit: 2 int4-a8 calls, 1 int4
+    x = torch.randn(3, 192)
+    x[1, 40], x[2, 100] = float("inf"), float("nan")
+    assert q(x)[0].isfinite().all() and q(x)[1:].isnan().all()  # as in the dense product: no garbage, no crash
     monkeypatch.setattr(QUANTIZE, "_int4_a8_matmul", lambda: None)  # not built: torch computes the same
     x = torch.randn(2, 192)
     torch.testing.assert_close(q(x), F.linear(round_activations(x), q.dequantized(torch.float32), q.bias),

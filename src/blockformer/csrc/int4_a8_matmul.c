@@ -34,11 +34,14 @@ static void round_rows(const float *x, Rounded a, int64_t rows, int64_t K, int64
         for (int64_t b = 0; b < blocks; b++) {
             const float *xb = x + r * K + b * BLOCK;
             float amax = 0;
+            int finite = 1;
             for (int k = 0; k < BLOCK; k++) {
                 const float v = xb[k] < 0 ? -xb[k] : xb[k];
                 amax = v > amax ? v : amax;
+                finite &= v <= 3.4028235e38f; /* false for an infinity or a NaN */
             }
-            const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+            if (!finite) amax = __builtin_nanf(""); /* every output it reaches is NaN, as in torch */
+            const float inv = amax > 0 ? 127.0f / amax : 0.0f; /* 0 for NaN: no undefined conversion */
             int32_t qsum = 0;
             int8_t *out = a.xq + r * K + b * BLOCK;
             for (int k = 0; k < BLOCK; k++) {

@@ -194,9 +194,9 @@ def test_int4_a8_rows_equal_the_rounded_activations_times_the_dequantized_weight
     the activations' rounding alone (it is applied, and small)."""
     calls = count_kernel_calls(monkeypatch)
     torch.manual_seed(0)
-    q = Int4A8Linear(nn.Linear(192, 50), group_size=64)
-    weight_only = Int4Linear(nn.Linear(192, 50), group_size=64)
-    weight_only.load_state_dict(q.state_dict())
+    linear = nn.Linear(192, 50)
+    q, weight_only = Int4A8Linear(linear, group_size=64), Int4Linear(linear, group_size=64)  # the same codes
+    assert not hasattr(q, "packed")  # only the codes a8 reads: no second copy for torch's int4 kernel
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

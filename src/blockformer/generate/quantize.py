@@ -225,6 +225,7 @@ class Int4Linear(QuantizedLinear):
 
     GROUP_SIZES = (32, 64, 128, 256)  # what the kernel accepts
     bits = 4
+    torch_layout = True  # also keep the codes in the layout of torch's int4 kernel (CPU)
 
     def __init__(self, linear: nn.Linear, group_size: int = 128) -> None:
         super().__init__(linear)
@@ -244,7 +245,7 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("codes", pack_int4(q))  # (n, k / 2)
         self.register_buffer("scales", scale.to(dtype))  # (n, k / g)
         self.register_buffer("zeros", zero.to(dtype))
-        if linear.weight.device.type == "cpu":  # the kernel takes output channels in multiples of 16
+        if self.torch_layout and linear.weight.device.type == "cpu":  # that kernel takes channels in 16s
             pad = -n % 16
             padded = torch.cat([q.to(torch.int32), q.new_zeros(pad, k, dtype=torch.int32)])
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded, 1))
@@ -271,7 +272,10 @@ class Int4Linear(QuantizedLinear):
 class Int4A8Linear(Int4Linear):
     """``Int4Linear``'s weights, multiplied by activations rounded to int8 (``round_activations``)
     on every path: by ``csrc/int4_a8_matmul.c`` at a decode step's few rows on the CPU (bf16 rows
-    widened to fp32 first), as the rounded activations times the dequantized weight elsewhere."""
+    widened to fp32 first), as the rounded activations times the dequantized weight elsewhere.
+    Torch's int4 kernel never runs, so its copy of the codes is not kept."""
+
+    torch_layout = False
 
     def activations(self, x: torch.Tensor) -> torch.Tensor:
         return round_activations(x)

@@ -62,7 +62,7 @@ def int4_a8_case(i: int, o: int, rows: int):
     """As int4_case, the scratch sized for the rounded rows; the reference rounds x as the kernel does."""
     tensors, args, _, nbytes = int4_case(i, o, rows)
     x, codes, scales, zeros, y, _ = tensors
-    scratch = torch.empty(rows * (i // 4 + i // 32 + i // GROUP))
+    scratch = torch.empty(rows * (i // 4 + i // 8 + i // 32 + i // GROUP))
     args[6] = scratch
     dense = dequantize_int4(codes, scales, zeros, GROUP, torch.float32)
     return (x, codes, scales, zeros, y, scratch), args, lambda: F.linear(round_activations(x), dense), nbytes

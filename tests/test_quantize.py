@@ -166,6 +166,10 @@ def test_each_build_of_the_c_kernels_equals_the_dequantized_product(cap, flags, 
             torch.testing.assert_close(QUANTIZE.int4_a8_matmul(x, int4.codes, int4.scales, int4.zeros, 64, b4),
                                        F.linear(round_activations(x), int4.dequantized(torch.float32), b4),
                                        atol=1e-5, rtol=1e-5)  # integer sums: exact up to the float ones' order
+            small = Int4Linear(nn.Linear(96, 40), group_size=32)  # groups of one block: not paired
+            torch.testing.assert_close(QUANTIZE.int4_a8_matmul(x[:, :96], small.codes, small.scales, small.zeros, 32),
+                                       F.linear(round_activations(x[:, :96]), small.dequantized(torch.float32)),
+                                       atol=1e-5, rtol=1e-5)
         assert None not in (QUANTIZE._int8_matmul(), QUANTIZE._int4_matmul(), QUANTIZE._int4_a8_matmul())  # built
     finally:
         monkeypatch.undo()
@@ -188,20 +192,22 @@ def test_round_activations_gives_each_block_of_32_its_own_255_levels():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_int4_a8_rows_equal_the_rounded_activations_times_the_dequantized_weight_on_every_path(threads, monkeypatch):
+@pytest.mark.parametrize("k,group", [(192, 64), (96, 32), (256, 128)])  # paired runs of 64 with AVX2; single blocks
+def test_int4_a8_rows_equal_the_rounded_activations_times_the_dequantized_weight_on_every_path(k, group, threads,
+                                                                                               monkeypatch):
     """The kernel's integer sums, the dense path past the kernel's rows and torch's fallback all
     compute round_activations(x) @ W.T + b; and that differs from int4's weight-only product by
     the activations' rounding alone (it is applied, and small)."""
     calls = count_kernel_calls(monkeypatch)
     torch.manual_seed(0)
-    linear = nn.Linear(192, 50)
-    q, weight_only = Int4A8Linear(linear, group_size=64), Int4Linear(linear, group_size=64)  # the same codes
+    linear = nn.Linear(k, 50)
+    q, weight_only = Int4A8Linear(linear, group_size=group), Int4Linear(linear, group_size=group)  # the same codes
     assert not hasattr(q, "packed")  # only the codes a8 reads: no second copy for torch's int4 kernel
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for rows in ROWS:
-            x = torch.randn(rows, 192)
+            x = torch.randn(rows, k)
             exact = F.linear(round_activations(x), q.dequantized(torch.float32), q.bias)
             y = q(x)
             torch.testing.assert_close(y, exact, atol=1e-5, rtol=1e-5)
@@ -212,11 +218,11 @@ def test_int4_a8_rows_equal_the_rounded_activations_times_the_dequantized_weight
     finally:
         torch.set_num_threads(before)
     assert calls == [(50, threads)] * 3 * (len(ROWS) - 1)  # the kernels up to their limit: 2 int4-a8 calls, 1 int4
-    x = torch.randn(3, 192)
-    x[1, 40], x[2, 100] = float("inf"), float("nan")
+    x = torch.randn(3, k)
+    x[1, 40], x[2, 70] = float("inf"), float("nan")
     assert q(x)[0].isfinite().all() and q(x)[1:].isnan().all()  # as in the dense product: no garbage, no crash
     monkeypatch.setattr(QUANTIZE, "_int4_a8_matmul", lambda: None)  # not built: torch computes the same
-    x = torch.randn(2, 192)
+    x = torch.randn(2, k)
     torch.testing.assert_close(q(x), F.linear(round_activations(x), q.dequantized(torch.float32), q.bias),
                                atol=1e-5, rtol=1e-5)
 

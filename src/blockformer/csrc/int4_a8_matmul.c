@@ -16,20 +16,36 @@
 
 #define BLOCK 32
 
-/* The rows' activations as the kernel reads them: xq[r, k] int8, in the order that 16 code bytes
- * unpack to (the low nibbles of a run of 32 inputs hold inputs 0-7 and 16-23, the high ones 8-15
- * and 24-31: pack_int4), d[r, b] per block of 32, and per group dq[r, g], the sum of the rounded
- * inputs. */
+/* The rows' activations as the kernel reads them: xq[r, k] int8, in the order that code bytes
+ * unpack to, d[r, b] per block of 32, and per group dq[r, g], the sum of the rounded inputs.
+ * The low nibbles of 16 code bytes hold inputs 0-7 and 16-23 of a block, the high ones 8-15 and
+ * 24-31 (pack_int4). With AVX2 and groups of 64 or more, 32 code bytes (two blocks) are read
+ * at once as all their low nibbles and all their high ones, so the two blocks' inputs are
+ * interleaved in that order too ("paired"), and dv[r, 8 j .. 8 j + 7] holds the scales of run j's
+ * two blocks, four times each, as the 8 sums of a pair come out. */
 typedef struct {
     int8_t *xq;
-    float *d, *dq;
+    float *d, *dv, *dq;
 } Rounded;
 
 /* where input k of a block of 32 is stored: inputs 8-15 and 16-23 swap places */
 static inline int64_t position(int64_t k) { return (((k >> 3) ^ (k >> 4)) & 1) ? k ^ 24 : k; }
 
+/* where input k of a run of 64 (two blocks) is stored when paired: the low halves of both
+ * blocks' positions, then the high halves */
+static inline int64_t paired(int64_t k) {
+    const int64_t p = position(k % BLOCK), block = k / BLOCK;
+    return (p < 16 ? 0 : 32) + block * 16 + p % 16;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define PAIRS(G) ((G) % (2 * BLOCK) == 0)
+#else
+#define PAIRS(G) 0
+#endif
+
 static void round_rows(const float *x, Rounded a, int64_t rows, int64_t K, int64_t G) {
-    const int64_t blocks = K / BLOCK, per_group = G / BLOCK;
+    const int64_t blocks = K / BLOCK, per_group = G / BLOCK, pairs = PAIRS(G);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < blocks; b++) {
             const float *xb = x + r * K + b * BLOCK;
@@ -43,15 +59,16 @@ static void round_rows(const float *x, Rounded a, int64_t rows, int64_t K, int64
             if (!finite) amax = __builtin_nanf(""); /* every output it reaches is NaN, as in torch */
             const float inv = amax > 0 ? 127.0f / amax : 0.0f; /* 0 for NaN: no undefined conversion */
             int32_t qsum = 0;
-            int8_t *out = a.xq + r * K + b * BLOCK;
+            int8_t *out = a.xq + r * K + (pairs ? b / 2 * 2 * BLOCK : b * BLOCK);
             for (int k = 0; k < BLOCK; k++) {
                 const int32_t q = (int32_t)__builtin_nearbyintf(xb[k] * inv);
-                out[position(k)] = (int8_t)q;
+                out[pairs ? paired(b % 2 * BLOCK + k) : position(k)] = (int8_t)q;
                 qsum += q;
             }
             const float d = amax / 127.0f;
             const int64_t g = r * (K / G) + b / per_group;
             a.d[r * blocks + b] = d;
+            for (int i = 0; pairs && i < 4; i++) a.dv[r * (K / 8) + b / 2 * 8 + b % 2 * 4 + i] = d;
             if (b % per_group == 0) a.dq[g] = 0;
             a.dq[g] += d * (float)qsum;
         }
@@ -75,6 +92,24 @@ static inline __m256i dot32(__m256i q, __m256i x) {
 
 static inline __m256i load32(const int8_t *xq) { return _mm256_loadu_si256((const __m256i *)xq); }
 
+/* A run of 64 codes (32 bytes, two blocks) as its low nibbles and its high ones */
+static inline void codes64(const uint8_t *c, __m256i *low, __m256i *high) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)c), mask = _mm256_set1_epi8(15);
+    *low = _mm256_and_si256(v, mask);
+    *high = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+}
+
+/* The 8 int32 sums of a paired run against its 64 stored inputs x: lanes 0-3 the first block's,
+ * 4-7 the second's. Without VNNI the two maddubs halves add as int16 (at most 2 x 3810) first. */
+static inline __m256i dot64(__m256i low, __m256i high, const int8_t *x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), low, load32(x)), high, load32(x + 32));
+#else
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, load32(x)), _mm256_maddubs_epi16(high, load32(x + 32)));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+}
+
 #define ROWS(R)                                                                                    \
     static void rows_##R(Rounded a, const uint8_t *codes, const float *scales, const float *zeros, \
                          const float *bias, float *y, int64_t o0, int64_t o1, int64_t K, int64_t G, int64_t N) { \
@@ -88,12 +123,21 @@ static inline __m256i load32(const int8_t *xq) { return _mm256_loadu_si256((cons
             for (int64_t g = 0; g < groups; g++) {                                                 \
                 __m256 acc[R];                                                                     \
                 for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                          \
-                for (int64_t k = g * G; k < (g + 1) * G; k += BLOCK) {                             \
-                    const __m256i q = codes32(co + k / 2);                                         \
-                    for (int r = 0; r < R; r++)                                                    \
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(q, load32(a.xq + r * K + k))),  \
-                                                 _mm256_broadcast_ss(a.d + r * blocks + k / BLOCK), acc[r]); \
-                }                                                                                  \
+                if (PAIRS(G))                                                                      \
+                    for (int64_t k = g * G; k < (g + 1) * G; k += 2 * BLOCK) {                     \
+                        __m256i low, high;                                                         \
+                        codes64(co + k / 2, &low, &high);                                          \
+                        for (int r = 0; r < R; r++)                                                \
+                            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot64(low, high, a.xq + r * K + k)), \
+                                                     _mm256_loadu_ps(a.dv + r * (K / 8) + k / 8), acc[r]); \
+                    }                                                                              \
+                else                                                                               \
+                    for (int64_t k = g * G; k < (g + 1) * G; k += BLOCK) {                         \
+                        const __m256i q = codes32(co + k / 2);                                     \
+                        for (int r = 0; r < R; r++)                                                \
+                            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(q, load32(a.xq + r * K + k))), \
+                                                     _mm256_broadcast_ss(a.d + r * blocks + k / BLOCK), acc[r]); \
+                    }                                                                              \
                 const float s = scales[o * groups + g], z = zeros[o * groups + g];                 \
                 for (int r = 0; r < R; r++) {                                                      \
                     total[r] = _mm256_fmadd_ps(_mm256_set1_ps(s), acc[r], total[r]);               \
@@ -136,24 +180,26 @@ static inline __m256i load32(const int8_t *xq) { return _mm256_loadu_si256((cons
 ROWS(1)
 #undef rows_1
 ROWS(2) ROWS(3) ROWS(4)
-/* One row: two output channels at a time share each load of the rounded inputs and their scales. */
+/* One row, paired runs: two output channels at a time share each load of the rounded inputs and
+ * their scales. Groups of 32 take the generic body. */
 static void rows_1(Rounded a, const uint8_t *codes, const float *scales, const float *zeros, const float *bias,
                    float *y, int64_t o0, int64_t o1, int64_t K, int64_t G, int64_t N) {
     const int64_t groups = K / G;
     int64_t o = o0;
-    for (; o + 2 <= o1; o += 2) {
+    for (; PAIRS(G) && o + 2 <= o1; o += 2) {
         const uint8_t *c0 = codes + o * (K / 2), *c1 = c0 + K / 2;
         prefetch_ahead(c0, K);
         __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
         float f0 = 0, f1 = 0;
         for (int64_t g = 0; g < groups; g++) {
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            for (int64_t k = g * G; k < (g + 1) * G; k += BLOCK) {
-                const __m256i x = load32(a.xq + k);
-                const __m256 d = _mm256_broadcast_ss(a.d + k / BLOCK);
-                const __m256i s0 = dot32(codes32(c0 + k / 2), x), s1 = dot32(codes32(c1 + k / 2), x);
-                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), d, a0);
-                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), d, a1);
+            for (int64_t k = g * G; k < (g + 1) * G; k += 2 * BLOCK) {
+                __m256i low0, high0, low1, high1;
+                codes64(c0 + k / 2, &low0, &high0);
+                codes64(c1 + k / 2, &low1, &high1);
+                const __m256 d = _mm256_loadu_ps(a.dv + k / 8);
+                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot64(low0, high0, a.xq + k)), d, a0); /* the same x loads */
+                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot64(low1, high1, a.xq + k)), d, a1);
             }
             const float s0 = scales[o * groups + g], z0 = zeros[o * groups + g];
             const float s1 = scales[(o + 1) * groups + g], z1 = zeros[(o + 1) * groups + g];
@@ -172,7 +218,7 @@ ALL_ROWS
 #endif
 
 static Rounded offset_rows(Rounded a, int64_t r0, int64_t K, int64_t G) {
-    return (Rounded){a.xq + r0 * K, a.d + r0 * (K / BLOCK), a.dq + r0 * (K / G)};
+    return (Rounded){a.xq + r0 * K, a.d + r0 * (K / BLOCK), a.dv + r0 * (K / 8), a.dq + r0 * (K / G)};
 }
 
 static void span(Rounded a, const uint8_t *codes, const float *scales, const float *zeros, const float *bias,
@@ -181,7 +227,7 @@ static void span(Rounded a, const uint8_t *codes, const float *scales, const flo
 }
 
 /* x: rows of K contiguous floats; K and G multiples of 32, G dividing K. The rows are rounded
- * once, on the calling thread, into `scratch` (the caller's) of rows * (K / 4 + K / 32 + K / G)
+ * once, on the calling thread, into `scratch` (the caller's) of rows * (K / 4 + K / 8 + K / 32 + K / G)
  * floats; then the N output channels split into `threads`
  * spans, one per thread of torch's OpenMP runtime. */
 void int4_a8_matmul_f32(const float *x, const uint8_t *codes, const float *scales, const float *zeros,
@@ -189,7 +235,8 @@ void int4_a8_matmul_f32(const float *x, const uint8_t *codes, const float *scale
                         int64_t N, int64_t threads) {
     Rounded a;
     a.d = scratch;
-    a.dq = a.d + rows * (K / BLOCK);
+    a.dv = a.d + rows * (K / BLOCK);
+    a.dq = a.dv + rows * (K / 8);
     a.xq = (int8_t *)(a.dq + rows * (K / G));
     round_rows(x, a, rows, K, G);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)

@@ -102,7 +102,7 @@ at::Tensor int4_a8_matmul(const at::Tensor &x_, const at::Tensor &codes, const a
     TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && k % group_size == 0, "int4_a8_matmul: group_size ",
                 group_size, " must be a multiple of 32 that divides ", k);
     const at::Tensor s = scales.to(at::kFloat).contiguous(), z = zeros.to(at::kFloat).contiguous();
-    at::Tensor scratch = at::empty({rows * (k / 4 + k / 32 + k / group_size)}, x.options());
+    at::Tensor scratch = at::empty({rows * (k / 4 + k / 8 + k / 32 + k / group_size)}, x.options());
     int4_a8_kernel(x.data_ptr<float>(), codes.data_ptr<uint8_t>(), s.data_ptr<float>(), z.data_ptr<float>(),
                    fp32(bias, b), y.data_ptr<float>(), scratch.data_ptr<float>(), rows, k, group_size, n, pieces(n));
     return y;

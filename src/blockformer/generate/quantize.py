@@ -184,7 +184,7 @@ def int4_a8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, z
     x, k, n = x.contiguous(), x.shape[-1], codes.shape[0]
     rows, scales, zeros = x.numel() // k, scales.float().contiguous(), zeros.float().contiguous()
     y, bias = x.new_empty(*x.shape[:-1], n), _fp32(bias)
-    scratch = x.new_empty(rows * (k // 4 + k // ACTIVATION_BLOCK + k // group_size))  # the rounded rows
+    scratch = x.new_empty(rows * (k // 4 + k // 8 + k // ACTIVATION_BLOCK + k // group_size))  # the rounded rows
     _int4_a8_matmul()(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), _pointer(bias),
                       y.data_ptr(), scratch.data_ptr(), rows, k, group_size, n, native.pieces(n))
     return y

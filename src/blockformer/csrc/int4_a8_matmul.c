@@ -74,6 +74,11 @@ static void round_rows(const float *x, Rounded a, int64_t rows, int64_t K, int64
         }
 }
 
+/* rows_R: R rows of the product over output channels [o0, o1) */
+#define SIGNATURE(R)                                                                              \
+    static void rows_##R(Rounded a, const uint8_t *codes, const float *scales, const float *zeros, \
+                         const float *bias, float *y, int64_t o0, int64_t o1, int64_t K, int64_t G, int64_t N)
+
 #if defined(__AVX2__) && defined(__FMA__)
 /* the 32 codes of 16 bytes as unsigned bytes, in the order round_rows stores the inputs */
 static inline __m256i codes32(const uint8_t *c) {
@@ -111,8 +116,7 @@ static inline __m256i dot64(__m256i low, __m256i high, const int8_t *x) {
 }
 
 #define ROWS(R)                                                                                    \
-    static void rows_##R(Rounded a, const uint8_t *codes, const float *scales, const float *zeros, \
-                         const float *bias, float *y, int64_t o0, int64_t o1, int64_t K, int64_t G, int64_t N) { \
+    SIGNATURE(R) {                                                                                 \
         const int64_t groups = K / G, blocks = K / BLOCK;                                          \
         for (int64_t o = o0; o < o1; o++) {                                                        \
             const uint8_t *co = codes + o * (K / 2);                                               \
@@ -149,8 +153,7 @@ static inline __m256i dot64(__m256i low, __m256i high, const int8_t *x) {
     }
 #else
 #define ROWS(R)                                                                                    \
-    static void rows_##R(Rounded a, const uint8_t *codes, const float *scales, const float *zeros, \
-                         const float *bias, float *y, int64_t o0, int64_t o1, int64_t K, int64_t G, int64_t N) { \
+    SIGNATURE(R) {                                                                                 \
         const int64_t groups = K / G, blocks = K / BLOCK;                                          \
         for (int64_t o = o0; o < o1; o++) {                                                        \
             const uint8_t *co = codes + o * (K / 2);                                               \

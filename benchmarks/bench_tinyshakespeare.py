@@ -94,8 +94,9 @@ class RefGPT(nn.Module):
 
 
 def reference_tokens_per_s(tokens: np.ndarray, cfg, steps: int, precision: str, compile: bool = False) -> float:
-    """Training tokens/s of the plain loop: forward, loss, backward, clip, AdamW step
-    (``compile``: the model under ``torch.compile``, as nanoGPT's ``--compile``)."""
+    """Training tokens/s of the plain loop (forward, loss, backward, clip, AdamW step), the
+    median over windows of ``train.log_every`` steps (``compile``: the model under
+    ``torch.compile``, as nanoGPT's ``--compile``)."""
     m, t = cfg.model, cfg.train
     torch.manual_seed(0)
     model = RefGPT(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.max_seq_len)
@@ -123,10 +124,16 @@ def reference_tokens_per_s(tokens: np.ndarray, cfg, steps: int, precision: str, 
 
     for _ in range(min(10, steps)):  # warm-up
         step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return steps * B * T / (time.perf_counter() - t0)
+    # The statistic blockformer's row gets: the median of the tokens/s of each window of
+    # ``log_every`` steps (its trainer logs one a window), so a slow spell on a shared machine
+    # costs both sides alike.
+    window, rates = t.log_every, []
+    for _ in range(max(1, steps // window)):
+        t0 = time.perf_counter()
+        for _ in range(window):
+            step()
+        rates.append(window * B * T / (time.perf_counter() - t0))
+    return float(np.median(rates))
 
 
 # ---------------------------------------------------------------------- blockformer

@@ -29,7 +29,8 @@ helps on a CPU: the ``int8-*`` variants store the matmul weights as int8 with pe
 scales (weight-only quantization, as gpt-fast does), 4x fewer weight bytes than fp32; the
 ``int4-*`` variants (groups of 128 weights sharing a scale and offset) 8x fewer; both
 change the output a little. ``int4a8-*`` read the int4 variants' bytes but round the
-activations to int8 as well (``--quantize int4-a8``), so that their kernel multiplies integers.
+activations to int8 as well (``--quantize int4-a8``), so that their kernel multiplies integers;
+``int8a8-*`` do the same with the int8 variants' bytes (``--quantize int8-a8``).
 
 ``speculative`` decodes with a draft model (``generate.speculative``): the target's first
 ``--draft-layers`` blocks with its embeddings and head, verified ``--num-draft`` tokens at a
@@ -53,11 +54,12 @@ from common import add_shape_args, cpu_kind, gpt2_config, hf_gpt2, timed
 from blockformer.generate import generate, pack_linears, speculative_generate
 from blockformer.generate.linears import load_operators_for, swap_linears
 from blockformer.generate.packed import PackedLinear, StreamedLinear
-from blockformer.generate.quantize import Int4A8Linear, Int4Linear, Int8Linear, quantize
+from blockformer.generate.quantize import Int4A8Linear, Int4Linear, Int8A8Linear, Int8Linear, quantize
 from blockformer.train.throughput import format_bytes_per_s, memory_bandwidth
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-QUANTIZED = {"int8": ("int8", Int8Linear), "int4": ("int4", Int4Linear), "int4a8": ("int4-a8", Int4A8Linear)}
+QUANTIZED = {"int8": ("int8", Int8Linear), "int4": ("int4", Int4Linear), "int4a8": ("int4-a8", Int4A8Linear),
+             "int8a8": ("int8-a8", Int8A8Linear)}
 
 
 def parse_args() -> argparse.Namespace:
@@ -78,7 +80,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip", nargs="*", default=[],
                    choices=["nocache", "cache", "compiled", "compiled-python", "packed", "packed-compiled", "streamed",
                             "streamed-compiled", "matmuls",
-                            "int8-cache", "int8-compiled", "int4-cache", "int4-compiled", "speculative", "hf"],
+                            "int8-cache", "int8-compiled", "int4-cache", "int4-compiled", "int4a8-cache",
+                            "int4a8-compiled", "int8a8-cache", "int8a8-compiled", "speculative", "hf"],
                    help="variants to leave out (nocache is slow: it recomputes the whole sequence)")
     return p.parse_args()
 
@@ -133,6 +136,8 @@ def main() -> None:
         "int4-compiled": dict(use_cache=True, compile=True),
         "int4a8-cache": dict(use_cache=True),
         "int4a8-compiled": dict(use_cache=True, compile=True),
+        "int8a8-cache": dict(use_cache=True),
+        "int8a8-compiled": dict(use_cache=True, compile=True),
     }
     float_model = ours
     greedy: list[list[list[int]]] = []  # plain greedy's tokens, decoded once if a check needs them

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockformer.generate.packed import PackedLinear, can_pack, f32_matmul
-from blockformer.generate.quantize import Int4Linear, Int8Linear, int4_a8_matmul, int4_matmul, int8_matmul
+from blockformer.generate.quantize import (Int4Linear, Int8Linear, int4_a8_matmul, int4_matmul, int8_a8_matmul,
+                                           int8_matmul)
 from blockformer.train.throughput import format_bytes_per_s, memory_bandwidth
 
 from common import cpu_kind
@@ -44,6 +45,8 @@ def variants(linears: list[nn.Linear]) -> dict[str, tuple[int, list[Callable]]]:
         "int8, torch _weight_int8pack_mm": (int8_bytes, [
             lambda x, q=q: torch.ops.aten._weight_int8pack_mm(x, q.weight, q.scales) for q in int8]),
         "int8, csrc/int8_matmul.c": (int8_bytes, [lambda x, q=q: int8_matmul(x, q.weight, q.scales) for q in int8]),
+        "int8, activations rounded to int8, csrc/int8_a8_matmul.c": (int8_bytes, [  # --quantize int8-a8
+            lambda x, q=q: int8_a8_matmul(x, q.weight, q.scales) for q in int8]),
         "int8, dequantized + F.linear": (int8_bytes, [lambda x, q=q: F.linear(x, q.dequantized(x.dtype)) for q in int8]),
         "int4, torch _weight_int4pack_mm_for_cpu": (int4_bytes, [
             lambda x, q=q: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q.packed, q.group_size, q.scales_and_zeros)

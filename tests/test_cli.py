@@ -93,8 +93,9 @@ def test_quantized_generate_keeps_the_float_models_greedy_tokens(tmp_path, capsy
     """A random byte-level decoder (seed 0, init_std 0.2, so greedy choices vary), 20 greedy
     tokens through the CLI, compared as decoded text. Measured here: int8 gives the float
     model's text exactly, int4 (16 levels per group) its first 8 tokens, int4-a8 (the same
-    weights, activations rounded to int8) the same text as int4; required: >= 90% of the
-    characters equal by position for int8, the first 4 for int4 and int4-a8."""
+    weights, activations rounded to int8) the same text as int4, int8-a8 its first 15 characters;
+    required: >= 90% of the characters equal by position for int8, the first 8 for int8-a8, the
+    first 4 for int4 and int4-a8."""
     from blockformer.generate import generate as lib_generate
     from blockformer.tokenizers import train_tokenizer
     from blockformer.train.checkpoint import save_checkpoint
@@ -107,7 +108,7 @@ def test_quantized_generate_keeps_the_float_models_greedy_tokens(tmp_path, capsy
     [float_ids] = lib_generate(model, [tok.encode("def f")], 20, temperature=0)
     float_text = tok.decode(float_ids)
     assert len(set(float_ids)) >= 8  # a varied continuation, not one repeated token
-    for scheme in ("int8", "int4", "int4-a8"):
+    for scheme in ("int8", "int4", "int4-a8", "int8-a8"):
         assert main(["generate", "--checkpoint", str(path), "--prompt", "def f", "--max-new-tokens", "20",
                      "--temperature", "0", "--quantize", scheme, "--precision", "bf16"]) == 0
         out = capsys.readouterr().out
@@ -116,6 +117,8 @@ def test_quantized_generate_keeps_the_float_models_greedy_tokens(tmp_path, capsy
         same = sum(a == b for a, b in zip(text, float_text)) / max(len(float_text), 1)
         if scheme == "int8":
             assert same >= 0.9, (text, float_text)
+        elif scheme == "int8-a8":
+            assert text[:8] == float_text[:8], (text, float_text)
         else:
             assert text[:4] == float_text[:4], (scheme, text, float_text)
 

@@ -10,7 +10,8 @@ from torch import nn
 from blockformer import TransformerConfig, build_model, kernels, native
 from blockformer.generate import generate, pack_linears, prepare_for_decoding, quantize
 from blockformer.generate.packed import StreamedLinear, f32_matmul
-from blockformer.generate.quantize import Int4Linear, Int8Linear, int4_a8_matmul, int4_matmul, int8_matmul
+from blockformer.generate.quantize import (Int4Linear, Int8Linear, int4_a8_matmul, int4_matmul, int8_a8_matmul,
+                                           int8_matmul)
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +23,15 @@ def loaded():
 def cases():
     torch.manual_seed(0)
     linear, int8, int4 = nn.Linear(200, 77), Int8Linear(nn.Linear(200, 77)), Int4Linear(nn.Linear(192, 50), 64)
+    int8_224 = Int8Linear(nn.Linear(224, 77))  # int8-a8 rounds blocks of 32 inputs
     return [("f32_matmul", f32_matmul, 200, lambda b: (linear.weight, linear.bias if b else None)),
             ("int8_matmul", int8_matmul, 200, lambda b: (int8.weight, int8.scales, int8.bias if b else None)),
             ("int4_matmul", int4_matmul, 192,
              lambda b: (int4.codes, int4.scales, int4.zeros, 64, int4.bias if b else None)),
             ("int4_a8_matmul", int4_a8_matmul, 192,
-             lambda b: (int4.codes, int4.scales, int4.zeros, 64, int4.bias if b else None))]
+             lambda b: (int4.codes, int4.scales, int4.zeros, 64, int4.bias if b else None)),
+            ("int8_a8_matmul", int8_a8_matmul, 224,
+             lambda b: (int8_224.weight, int8_224.scales, int8_224.bias if b else None))]
 
 
 @pytest.mark.parametrize("name,python,k,rest", cases())
@@ -48,6 +52,9 @@ def test_a_wrong_input_is_refused_with_its_expectation(loaded):
         torch.ops.blockformer_c.int8_matmul(torch.randn(1, 64, dtype=torch.bfloat16), int8.weight, int8.scales)
     with pytest.raises(RuntimeError, match=r"int8_matmul: the weight must be a contiguous \(out, 48\) tensor"):
         torch.ops.blockformer_c.int8_matmul(torch.randn(1, 48), int8.weight, int8.scales)
+    odd = Int8Linear(nn.Linear(40, 32))
+    with pytest.raises(RuntimeError, match=r"int8_a8_matmul: the inputs \(40\) must be a multiple of 32"):
+        torch.ops.blockformer_c.int8_a8_matmul(torch.randn(1, 40), odd.weight, odd.scales)
 
 
 def profiled_ops(fn) -> set[str]:
@@ -56,7 +63,7 @@ def profiled_ops(fn) -> set[str]:
     return {e.name for e in prof.events() if e.name.startswith("blockformer")}
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4", "int4-a8"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int4-a8", "int8-a8"])
 def test_preparing_a_model_for_decoding_loads_them_and_eager_and_compiled_steps_call_them(scheme, monkeypatch):
     cfg = TransformerConfig(arch="decoder", vocab_size=50, d_model=64, n_layers=2, n_heads=4, init_std=0.1)
     model = build_model(cfg, seed=0).eval()
@@ -79,14 +86,14 @@ def test_preparing_a_model_for_decoding_loads_them_and_eager_and_compiled_steps_
     assert generate(model, prompt, 6, temperature=0) == eager
 
 
-@pytest.mark.parametrize("make", ["int8", "int4", "int4-a8", "streamed", "packed"])
+@pytest.mark.parametrize("make", ["int8", "int4", "int4-a8", "int8-a8", "streamed", "packed"])
 def test_quantizing_or_streaming_loads_them_and_packing_alone_does_not(make, monkeypatch):
     cfg = TransformerConfig(arch="decoder", vocab_size=50, d_model=64, n_layers=1, n_heads=4)
     model = build_model(cfg, seed=0).eval()
     monkeypatch.setattr(native, "CPP_OPS", False)
     monkeypatch.setattr(kernels, "streams_decode_matmuls", lambda dtype: make == "streamed")
     native.load_cpp_ops.cache_clear()
-    if make in ("int8", "int4", "int4-a8"):
+    if make in ("int8", "int4", "int4-a8", "int8-a8"):
         quantize(model, make)  # as `blockformer eval --quantize` and bench_decode do, without prepare_for_decoding
     else:
         pack_linears(model, compiled=True)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from blockformer import TransformerConfig, build_model, native
 from blockformer.generate import generate
 from blockformer.kernels import NATIVE_QUANTIZED_ROWS
-from blockformer.generate.quantize import (KERNEL_MAX_ROWS, Int4A8Linear, Int4Linear, Int8Linear, prepare_for_decoding,
-                                           quantize, round_activations)
+from blockformer.generate.quantize import (KERNEL_MAX_ROWS, Int4A8Linear, Int4Linear, Int8A8Linear, Int8Linear,
+                                           prepare_for_decoding, quantize, round_activations)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -88,7 +88,7 @@ QUANTIZE = importlib.import_module("blockformer.generate.quantize")  # the packa
 def count_kernel_calls(monkeypatch) -> list[tuple[int, int]]:
     """(output channels, threads) of each call into the int8 and int4 C kernels from now on."""
     calls = []
-    for name in ("_int8_matmul", "_int4_matmul", "_int4_a8_matmul"):
+    for name in ("_int8_matmul", "_int4_matmul", "_int4_a8_matmul", "_int8_a8_matmul"):
         real = getattr(QUANTIZE, name)()
         monkeypatch.setattr(QUANTIZE, name, lambda real=real: lambda *a: calls.append(a[-2:]) or real(*a))
     monkeypatch.setattr(native, "CPP_OPS", False)  # the Python operators, which call the counted functions
@@ -147,7 +147,8 @@ def test_each_build_of_the_c_kernels_equals_the_dequantized_product(cap, flags, 
     reads the int4 codes in pack_int4's order and the int8 weights row by row."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the instruction-set flags are x86's")
-    builds = (native.load, QUANTIZE._int8_matmul, QUANTIZE._int4_matmul, QUANTIZE._int4_a8_matmul)
+    builds = (native.load, QUANTIZE._int8_matmul, QUANTIZE._int4_matmul, QUANTIZE._int4_a8_matmul,
+              QUANTIZE._int8_a8_matmul)
     torch.manual_seed(0)
     int8, int4 = Int8Linear(nn.Linear(200, 77)), Int4Linear(nn.Linear(192, 50), group_size=64)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
@@ -160,6 +161,10 @@ def test_each_build_of_the_c_kernels_equals_the_dequantized_product(cap, flags, 
             x = torch.randn(rows, 200)
             torch.testing.assert_close(QUANTIZE.int8_matmul(x, int8.weight, int8.scales, b8),
                                        F.linear(x, int8.dequantized(torch.float32), b8), atol=1e-5, rtol=1e-5)
+            w160 = int8.weight[:, :160].contiguous()  # int8-a8: whole blocks of 32 inputs
+            torch.testing.assert_close(QUANTIZE.int8_a8_matmul(x[:, :160], w160, int8.scales, b8),
+                                       F.linear(round_activations(x[:, :160]), w160 * int8.scales[:, None], b8),
+                                       atol=1e-5, rtol=1e-5)
             x = torch.randn(rows, 192)
             torch.testing.assert_close(QUANTIZE.int4_matmul(x, int4.codes, int4.scales, int4.zeros, 64, b4),
                                        F.linear(x, int4.dequantized(torch.float32), b4), atol=1e-4, rtol=1e-4)
@@ -170,7 +175,8 @@ def test_each_build_of_the_c_kernels_equals_the_dequantized_product(cap, flags, 
             torch.testing.assert_close(QUANTIZE.int4_a8_matmul(x[:, :96], small.codes, small.scales, small.zeros, 32),
                                        F.linear(round_activations(x[:, :96]), small.dequantized(torch.float32)),
                                        atol=1e-5, rtol=1e-5)
-        assert None not in (QUANTIZE._int8_matmul(), QUANTIZE._int4_matmul(), QUANTIZE._int4_a8_matmul())  # built
+        assert None not in (QUANTIZE._int8_matmul(), QUANTIZE._int4_matmul(), QUANTIZE._int4_a8_matmul(),
+                            QUANTIZE._int8_a8_matmul())  # built
     finally:
         monkeypatch.undo()
         for build in builds:  # the next test builds for this machine again
@@ -191,17 +197,23 @@ def test_round_activations_gives_each_block_of_32_its_own_255_levels():
     assert round_activations(x.to(torch.bfloat16)).dtype == torch.bfloat16
 
 
+A8_LAYERS = {  # an a8 layer and its weight-only twin (the same weights), for in_features k and groups g
+    "int4-a8": lambda linear, g: (Int4A8Linear(linear, group_size=g), Int4Linear(linear, group_size=g)),
+    "int8-a8": lambda linear, g: (Int8A8Linear(linear), Int8Linear(linear)),
+}
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("k,group", [(192, 64), (96, 32), (256, 128)])  # paired runs of 64 with AVX2; single blocks
-def test_int4_a8_rows_equal_the_rounded_activations_times_the_dequantized_weight_on_every_path(k, group, threads,
-                                                                                               monkeypatch):
+@pytest.mark.parametrize("scheme,k,group", [("int4-a8", 192, 64), ("int4-a8", 96, 32), ("int4-a8", 256, 128),
+                                            ("int8-a8", 96, None), ("int8-a8", 800, None)])  # paired runs; single
+def test_a8_rows_equal_the_rounded_activations_times_the_dequantized_weight_on_every_path(scheme, k, group, threads,
+                                                                                          monkeypatch):
     """The kernel's integer sums, the dense path past the kernel's rows and torch's fallback all
-    compute round_activations(x) @ W.T + b; and that differs from int4's weight-only product by
+    compute round_activations(x) @ W.T + b; and that differs from the weight-only product by
     the activations' rounding alone (it is applied, and small)."""
     calls = count_kernel_calls(monkeypatch)
     torch.manual_seed(0)
-    linear = nn.Linear(k, 50)
-    q, weight_only = Int4A8Linear(linear, group_size=group), Int4Linear(linear, group_size=group)  # the same codes
+    q, weight_only = A8_LAYERS[scheme](nn.Linear(k, 50), group)
     assert not hasattr(q, "packed")  # only the codes a8 reads: no second copy for torch's int4 kernel
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -217,14 +229,46 @@ def test_int4_a8_rows_equal_the_rounded_activations_times_the_dequantized_weight
             assert 1e-5 < gap < 0.02, gap
     finally:
         torch.set_num_threads(before)
-    assert calls == [(50, threads)] * 3 * (len(ROWS) - 1)  # the kernels up to their limit: 2 int4-a8 calls, 1 int4
+    assert calls == [(50, threads)] * 3 * (len(ROWS) - 1)  # the kernels up to their limit: 2 a8 calls, 1 weight-only
     x = torch.randn(3, k)
     x[1, 40], x[2, 70] = float("inf"), float("nan")
     assert q(x)[0].isfinite().all() and q(x)[1:].isnan().all()  # as in the dense product: no garbage, no crash
-    monkeypatch.setattr(QUANTIZE, "_int4_a8_matmul", lambda: None)  # not built: torch computes the same
+    monkeypatch.setattr(QUANTIZE, f"_{scheme.replace('-', '_')}_matmul", lambda: None)  # not built: torch, the same
     x = torch.randn(2, k)
     torch.testing.assert_close(q(x), F.linear(round_activations(x), q.dequantized(torch.float32), q.bias),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cap", [None, "avx2"])  # the build for this CPU (VNNI where it has it); maddubs's 16 bits
+def test_int8_a8_products_at_full_scale_do_not_saturate(cap, monkeypatch):
+    """Every weight and input at +-127 steps: each pair of byte products sums to 2 x 127 x 127,
+    just inside AVX2's 16-bit maddubs, and a block of 32 to 516,128 in 32 bits."""
+    if cap and platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the instruction-set flags are x86's")
+    if cap:
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
+    native.load.cache_clear(), QUANTIZE._int8_a8_matmul.cache_clear()
+    try:
+        assert not cap or native.arch_flags() == ["-mavx2", "-mfma"]
+        linear = nn.Linear(64, 8, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(torch.tensor([1.0, -1.0]).repeat(8, 32) * torch.arange(1, 9)[:, None])
+        q = Int8A8Linear(linear)
+        assert q.weight.abs().min() == 127
+        x = torch.tensor([[3.0] * 32 + [-3.0] * 32, [-2.0, 2.0] * 32])  # each block at its own max
+        torch.testing.assert_close(QUANTIZE.int8_a8_matmul(x, q.weight, q.scales), x @ linear.weight.T,
+                                   atol=1e-4, rtol=1e-5)
+    finally:
+        monkeypatch.undo()
+        native.load.cache_clear(), QUANTIZE._int8_a8_matmul.cache_clear()
+
+
+def test_int8_a8_needs_whole_blocks_of_32_inputs():
+    with pytest.raises(ValueError, match="int8-a8: in_features=200 is not a multiple of 32"):
+        Int8A8Linear(nn.Linear(200, 16))
+    model = build_model(TransformerConfig(arch="decoder", vocab_size=50, d_model=48, n_layers=1, n_heads=4))
+    with pytest.raises(ValueError, match="int8-a8: in_features=48"):
+        quantize(model, "int8-a8")
 
 
 def test_int4_codes_hold_inputs_j_and_8_plus_j_of_each_run_of_16_in_one_byte():

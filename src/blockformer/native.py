@@ -104,7 +104,8 @@ def matmul_op(fn: Callable) -> None:
 # Whether torch.ops.blockformer_c (csrc/ops.cpp) is loaded: a plain flag, which torch.compile can read.
 CPP_OPS = False
 _CPP_KERNELS = (("f32_matmul", "f32_matmul_f32"), ("int8_matmul", "int8_matmul_f32"),
-                ("int4_matmul", "int4_matmul_f32"), ("int4_a8_matmul", "int4_a8_matmul_f32"))
+                ("int4_matmul", "int4_matmul_f32"), ("int4_a8_matmul", "int4_a8_matmul_f32"),
+                ("int8_a8_matmul", "int8_a8_matmul_f32"))
 
 
 @functools.cache

@@ -3,7 +3,7 @@
 Sampling (temperature, top-k, top-p, a seed) or greedy (``--temperature 0``) through the KV
 cache; text is printed as it is generated, and stops at EOS, ``--max-new-tokens`` or a
 ``--stop`` string. ``--compile`` compiles the one-token decode step; ``--precision bf16``
-and ``--quantize int8``/``int4``/``int4-a8`` make each step read fewer weight bytes (faster on a CPU).
+and ``--quantize int8``/``int4``/``int4-a8``/``int8-a8`` make each step read fewer weight bytes (faster on a CPU).
 ``--draft CKPT`` decodes speculatively: a small model with the same tokenizer proposes
 ``--num-draft`` tokens and the checkpoint verifies them in one pass (same output
 distribution; greedy output identical); the acceptance rate goes to stderr.

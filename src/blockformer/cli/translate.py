@@ -41,9 +41,10 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, batch_default: int |
 
 
 def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quantize", choices=["int8", "int4", "int4-a8"], default=None,
-                        help="weight-only int8 or int4 matmuls, or int4 weights against activations rounded to int8 "
-                             "(int4-a8, the fastest CPU kernel): faster decoding, slightly different outputs")
+    parser.add_argument("--quantize", choices=["int8", "int4", "int4-a8", "int8-a8"], default=None,
+                        help="weight-only int8 or int4 matmuls, or int4/int8 weights against activations rounded to "
+                             "int8 (int4-a8, the fastest CPU kernel; int8-a8): faster decoding, slightly different "
+                             "outputs")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@
  */
 #include "rows.h"
 
-#define BLOCK 32
+#define BLOCK A8_BLOCK
 
 /* The rows' activations as the kernel reads them: xq[r, k] int8, in the order that code bytes
  * unpack to, d[r, b] per block of 32, and per group dq[r, g], the sum of the rounded inputs.
@@ -48,24 +48,14 @@ static void round_rows(const float *x, Rounded a, int64_t rows, int64_t K, int64
     const int64_t blocks = K / BLOCK, per_group = G / BLOCK, pairs = PAIRS(G);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < blocks; b++) {
-            const float *xb = x + r * K + b * BLOCK;
-            float amax = 0;
-            int finite = 1;
-            for (int k = 0; k < BLOCK; k++) {
-                const float v = xb[k] < 0 ? -xb[k] : xb[k];
-                amax = v > amax ? v : amax;
-                finite &= v <= 3.4028235e38f; /* false for an infinity or a NaN */
-            }
-            if (!finite) amax = __builtin_nanf(""); /* every output it reaches is NaN, as in torch */
-            const float inv = amax > 0 ? 127.0f / amax : 0.0f; /* 0 for NaN: no undefined conversion */
+            int8_t q[BLOCK];
+            const float d = round_block(x + r * K + b * BLOCK, q);
             int32_t qsum = 0;
             int8_t *out = a.xq + r * K + (pairs ? b / 2 * 2 * BLOCK : b * BLOCK);
             for (int k = 0; k < BLOCK; k++) {
-                const int32_t q = (int32_t)__builtin_nearbyintf(xb[k] * inv);
-                out[pairs ? paired(b % 2 * BLOCK + k) : position(k)] = (int8_t)q;
-                qsum += q;
+                out[pairs ? paired(b % 2 * BLOCK + k) : position(k)] = q[k];
+                qsum += q[k];
             }
-            const float d = amax / 127.0f;
             const int64_t g = r * (K / G) + b / per_group;
             a.d[r * blocks + b] = d;
             for (int i = 0; pairs && i < 4; i++) a.dv[r * (K / 8) + b / 2 * 8 + b % 2 * 4 + i] = d;

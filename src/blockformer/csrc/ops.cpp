@@ -1,5 +1,5 @@
-/* The decode products of csrc/ (f32_matmul, int8_matmul, int4_matmul, int4_a8_matmul) as C++ operators of
- * torch's dispatcher, torch.ops.blockformer_c.*: an eager layer or a compiled step reaches the
+/* The decode products of csrc/ (f32_matmul, int8_matmul, int4_matmul, int4_a8_matmul, int8_a8_matmul) as C++
+ * operators of torch's dispatcher, torch.ops.blockformer_c.*: an eager layer or a compiled step reaches the
  * C kernels without a Python function in between (about 6 us a call, 49 calls a GPT-2-small
  * token). Same schemas, arguments and results as the Python functions in generate/packed.py
  * and generate/quantize.py. The kernels are the libraries blockformer.native built; their
@@ -21,17 +21,21 @@ typedef void (*int8_fn)(const float *, const int8_t *, const float *, const floa
                         int64_t, int64_t);
 typedef void (*int4_fn)(const float *, const uint8_t *, const float *, const float *, const float *, float *, float *,
                         int64_t, int64_t, int64_t, int64_t, int64_t);
+typedef void (*int8_a8_fn)(const float *, const int8_t *, const float *, const float *, float *, float *, int64_t,
+                           int64_t, int64_t, int64_t);
 }
 
 static f32_fn f32_kernel;
 static int8_fn int8_kernel;
 static int4_fn int4_kernel, int4_a8_kernel;  // the same arguments; int4_a8's scratch holds the rounded rows
+static int8_a8_fn int8_a8_kernel;
 
-extern "C" void blockformer_c_set_kernels(void *f32, void *int8, void *int4, void *int4_a8) {
+extern "C" void blockformer_c_set_kernels(void *f32, void *int8, void *int4, void *int4_a8, void *int8_a8) {
     f32_kernel = reinterpret_cast<f32_fn>(f32);
     int8_kernel = reinterpret_cast<int8_fn>(int8);
     int4_kernel = reinterpret_cast<int4_fn>(int4);
     int4_a8_kernel = reinterpret_cast<int4_fn>(int4_a8);
+    int8_a8_kernel = reinterpret_cast<int8_a8_fn>(int8_a8);
 }
 
 namespace {
@@ -108,6 +112,19 @@ at::Tensor int4_a8_matmul(const at::Tensor &x_, const at::Tensor &codes, const a
     return y;
 }
 
+at::Tensor int8_a8_matmul(const at::Tensor &x_, const at::Tensor &weight, const at::Tensor &scales,
+                          const std::optional<at::Tensor> &bias) {
+    TORCH_CHECK(int8_a8_kernel, "blockformer_c: the kernels were not handed over");
+    const int64_t k = x_.size(-1), n = weight.size(0), rows = x_.numel() / std::max<int64_t>(k, 1);
+    at::Tensor x = checked(x_, weight, k, at::kChar, "int8_a8_matmul"), b, y = output(x, n);
+    TORCH_CHECK(k % 32 == 0, "int8_a8_matmul: the inputs (", k, ") must be a multiple of 32");
+    const at::Tensor s = scales.to(at::kFloat).contiguous();
+    at::Tensor scratch = at::empty({rows * (k / 32 + k / 4)}, x.options());
+    int8_a8_kernel(x.data_ptr<float>(), weight.data_ptr<int8_t>(), s.data_ptr<float>(), fp32(bias, b),
+                   y.data_ptr<float>(), scratch.data_ptr<float>(), rows, k, n, pieces(n));
+    return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(blockformer_c, m) {
@@ -117,6 +134,7 @@ TORCH_LIBRARY(blockformer_c, m) {
           "Tensor? bias=None) -> Tensor");
     m.def("int4_a8_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group_size, "
           "Tensor? bias=None) -> Tensor");
+    m.def("int8_a8_matmul(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(blockformer_c, CPU, m) {
@@ -124,4 +142,5 @@ TORCH_LIBRARY_IMPL(blockformer_c, CPU, m) {
     m.impl("int8_matmul", &int8_matmul);
     m.impl("int4_matmul", &int4_matmul);
     m.impl("int4_a8_matmul", &int4_a8_matmul);
+    m.impl("int8_a8_matmul", &int8_a8_matmul);
 }

@@ -1,4 +1,4 @@
-/* What the few-row matmul kernels (f32, int8, int4) share. Each defines ROWS(R), the product
+/* What the few-row matmul kernels (f32, int8, int4, and the a8 ones) share. Each defines ROWS(R), the product
  * of R = 1..4 rows over output channels [o0, o1), as a function rows_R; this header gives the
  * horizontal sum their AVX2 bodies end with, the software prefetch of the quantized ones, and
  * the walk over a thread's output channels:
@@ -31,6 +31,25 @@ static inline float hsum(__m256 v) {
 static inline void prefetch_ahead(const void *row, int64_t bytes) {
     const char *p = (const char *)row + PREFETCH_AHEAD;
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
+/* The a8 kernels' activations (int4_a8_matmul.c, int8_a8_matmul.c): 32 inputs x rounded to
+ * int8 q against their own scale d = max|x| / 127, q = round(x / d), as generate/quantize.py's
+ * round_activations computes them. Returns d: NaN where the inputs hold an infinity or a NaN,
+ * so that every output they reach is NaN, as in torch. */
+#define A8_BLOCK 32
+static inline float round_block(const float *x, int8_t *q) {
+    float amax = 0;
+    int finite = 1;
+    for (int k = 0; k < A8_BLOCK; k++) {
+        const float v = x[k] < 0 ? -x[k] : x[k];
+        amax = v > amax ? v : amax;
+        finite &= v <= 3.4028235e38f; /* false for an infinity or a NaN */
+    }
+    if (!finite) amax = __builtin_nanf("");
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f; /* 0 for NaN: no undefined conversion */
+    for (int k = 0; k < A8_BLOCK; k++) q[k] = (int8_t)(int32_t)__builtin_nearbyintf(x[k] * inv);
+    return amax / 127.0f;
 }
 
 #define ALL_ROWS ROWS(1) ROWS(2) ROWS(3) ROWS(4)

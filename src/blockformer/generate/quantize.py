@@ -13,6 +13,8 @@ point; only the weights are rounded.
   (blocks of 32 inputs, each with its own scale: llama.cpp's 4-bit-by-8-bit products, torchao's
   "8da4w"), so that the CPU kernel multiplies integers: the same bytes as ``int4``, less
   arithmetic per byte, and a small extra rounding of the activations.
+- ``int8-a8``: ``int8``'s weights against activations rounded the same way (llama.cpp's
+  8-bit-by-8-bit products): ``int8``'s bytes, with integer arithmetic in the kernel.
 
 With fp32 activations PyTorch's packed low-bit CPU kernels are slower than the float model,
 so a decode step uses blockformer's own (``csrc/int8_matmul.c``, ``csrc/int4_matmul.c``, built
@@ -143,6 +145,11 @@ def _int4_a8_matmul():
     return native.function("int4_a8_matmul", "int4_a8_matmul_f32", 7, 5)
 
 
+@functools.cache
+def _int8_a8_matmul():
+    return native.function("int8_a8_matmul", "int8_a8_matmul_f32", 6, 4)
+
+
 # The C kernels as functions of tensors, and as custom ops (``native.matmul_op``) so that a
 # compiled decode step calls them too. fp32 rows, up to kernels.NATIVE_QUANTIZED_ROWS; output channels split
 # over torch's threads inside the kernel.
@@ -190,13 +197,29 @@ def int4_a8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, z
     return y
 
 
-ACTIVATION_BLOCK = 32  # inputs per int8 scale in int4-a8, as llama.cpp's 8-bit blocks
+def int8_a8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``round_activations(x) @ (scales[:, None] * weight).T + bias`` by ``csrc/int8_a8_matmul.c``
+    (the same in torch if it is not built), for ``x`` of any leading dimensions."""
+    if _int8_a8_matmul() is None:
+        w = weight.to(x.dtype) * scales.to(x.dtype)[:, None]
+        return F.linear(round_activations(x), w, None if bias is None else bias.to(x.dtype))
+    x, k, n = x.contiguous(), x.shape[-1], weight.shape[0]
+    rows, scales = x.numel() // k, scales.float().contiguous()
+    y, bias = x.new_empty(*x.shape[:-1], n), _fp32(bias)
+    scratch = x.new_empty(rows * (k // ACTIVATION_BLOCK + k // 4))  # the rounded rows: scales, then int8s
+    _int8_a8_matmul()(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), _pointer(bias), y.data_ptr(),
+                      scratch.data_ptr(), rows, k, n, native.pieces(n))
+    return y
+
+
+ACTIVATION_BLOCK = 32  # inputs per int8 scale in the a8 schemes, as llama.cpp's 8-bit blocks
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
     """``x`` with each run of ``ACTIVATION_BLOCK`` values along its last dimension rounded to
     one of 255 levels, ``d * round(x / d)`` for ``d = max|x| / 127`` over the run (0 stays 0):
-    what ``int4-a8``'s kernel multiplies the codes by. Computed in fp32, as the kernel does."""
+    what the a8 kernels multiply the weights by. Computed in fp32, as the kernel does."""
     blocks = x.float().reshape(*x.shape[:-1], -1, ACTIVATION_BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
@@ -215,6 +238,32 @@ def _pointer(bias: torch.Tensor | None) -> int:
 native.matmul_op(int8_matmul)
 native.matmul_op(int4_matmul)
 native.matmul_op(int4_a8_matmul)
+native.matmul_op(int8_a8_matmul)
+
+
+class Int8A8Linear(Int8Linear):
+    """``Int8Linear``'s weights, multiplied by activations rounded to int8 (``round_activations``)
+    on every path: by ``csrc/int8_a8_matmul.c`` at a decode step's few rows on the CPU (bf16 rows
+    widened to fp32 first), as the rounded activations times the dequantized weight elsewhere.
+    Rows are rounded in blocks of 32, so ``in_features`` must be a multiple of 32."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        if linear.in_features % ACTIVATION_BLOCK:
+            raise ValueError(f"int8-a8: in_features={linear.in_features} is not a multiple of {ACTIVATION_BLOCK}; "
+                             "its activations are rounded in blocks of that many")
+        super().__init__(linear)
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        return round_activations(x)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self._rows(x) <= kernels.NATIVE_QUANTIZED_ROWS and native.ready(_int8_a8_matmul):
+            return native.call(int8_a8_matmul, x.float(), self.weight, self.scales, self.bias).to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(round_activations(x), self.dequantized(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr().replace("int8", "int8-a8", 1)
 
 
 class Int4Linear(QuantizedLinear):
@@ -312,13 +361,14 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     return ((q - 8) * scales.to(dtype)[..., None] + zeros.to(dtype)[..., None]).reshape(n, k)
 
 
-SCHEMES = ("int8", "int4", "int4-a8")
-LAYERS = {"int8": Int8Linear, "int4": Int4Linear, "int4-a8": Int4A8Linear}
+SCHEMES = ("int8", "int4", "int4-a8", "int8-a8")
+LAYERS = {"int8": Int8Linear, "int4": Int4Linear, "int4-a8": Int4A8Linear, "int8-a8": Int8A8Linear}
 
 
 def quantize(model: nn.Module, scheme: str | None, group_size: int = 128) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (attention, FFN, output head) in place by an
-    ``Int8Linear``, ``Int4Linear`` or ``Int4A8Linear`` (``scheme=None``: leave the model as it is).
+    ``Int8Linear``, ``Int4Linear``, ``Int4A8Linear`` or ``Int8A8Linear`` (``scheme=None``: leave the
+    model as it is).
     Embeddings, norms and MoE routers keep their dtype; stacked MoE experts are stored in
     int8 under either scheme; a head tied to the embedding gets its own quantized copy.
     Quantize after moving the model to its device: on a CPU, the C++ operators of the
@@ -329,7 +379,7 @@ def quantize(model: nn.Module, scheme: str | None, group_size: int = 128) -> nn.
     if scheme not in SCHEMES:
         raise ValueError(f"quantize scheme={scheme!r}: expected one of {SCHEMES}")
     layer = LAYERS[scheme]
-    swap_linears(model, lambda lin: layer(lin) if layer is Int8Linear else layer(lin, group_size))
+    swap_linears(model, lambda lin: layer(lin) if issubclass(layer, Int8Linear) else layer(lin, group_size))
     for module in model.modules():
         if hasattr(module, "quantize_experts"):  # stacked MoE experts: int8 under either scheme
             module.quantize_experts()

@@ -12,6 +12,7 @@ the memory.
     ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=2 python benchmarks/bench_kernel_ab.py --kernel int8_matmul --base main
     OMP_NUM_THREADS=2 python benchmarks/bench_kernel_ab.py --kernel int4_matmul --rows 1,4
     OMP_NUM_THREADS=2 python benchmarks/bench_kernel_ab.py --kernel int4_a8_matmul --base HEAD~1
+    OMP_NUM_THREADS=2 python benchmarks/bench_kernel_ab.py --kernel int8_a8_matmul --base HEAD~1
 """
 
 from __future__ import annotations
@@ -68,13 +69,22 @@ def int4_a8_case(i: int, o: int, rows: int):
     return (x, codes, scales, zeros, y, scratch), args, lambda: F.linear(round_activations(x), dense), nbytes
 
 
+def int8_a8_case(i: int, o: int, rows: int):
+    """As int8_case, with the scratch for the rounded rows; the reference rounds x as the kernel does."""
+    (x, w, s, y), args, _, nbytes = int8_case(i, o, rows)
+    scratch = torch.empty(rows * (i // 32 + i // 4))
+    args = [x, w, s, 0, y, scratch, rows, i, o]
+    return (x, w, s, y, scratch), args, lambda: F.linear(round_activations(x), w.float()) * s, nbytes
+
+
 # kernel -> (its symbol, how many pointer and integer arguments it takes, one weight's case, the index
 # of the output among the case's tensors). The quantized kernels take a bias (0: none) since 2026-12-04:
 # a --base before that has the old arguments and cannot be compared with these cases.
 KERNELS = {"f32_matmul": ("f32_matmul_f32", (4, 4), f32_case, 3),
            "int8_matmul": ("int8_matmul_f32", (5, 4), int8_case, 3),
            "int4_matmul": ("int4_matmul_f32", (7, 5), int4_case, 4),
-           "int4_a8_matmul": ("int4_a8_matmul_f32", (7, 5), int4_a8_case, 4)}
+           "int4_a8_matmul": ("int4_a8_matmul_f32", (7, 5), int4_a8_case, 4),
+           "int8_a8_matmul": ("int8_a8_matmul_f32", (6, 4), int8_a8_case, 3)}
 
 
 def build(kernel: str, base: str | None, folder: Path) -> Callable:

@@ -239,6 +239,25 @@ def test_a8_rows_equal_the_rounded_activations_times_the_dequantized_weight_on_e
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("in_c", [True, False])  # whether bf16 int8 rows take the int8 C kernel: no matter here
+@pytest.mark.parametrize("scheme", ["int4-a8", "int8-a8"])
+def test_bf16_rows_of_an_a8_layer_take_its_c_kernel_up_to_its_limit(scheme, in_c, monkeypatch):
+    """Torch has no kernel for the a8 schemes, and the dense path dequantizes the whole weight
+    each call: so bf16 rows, as a server's many in-flight sequences bring, widen to fp32 for the
+    a8 kernel up to NATIVE_QUANTIZED_ROWS, as fp32 rows do, and only past it take the dense path."""
+    monkeypatch.setattr(QUANTIZE.kernels, "INT8_BF16_IN_C", in_c)
+    calls = count_kernel_calls(monkeypatch)
+    torch.manual_seed(0)
+    q, _ = A8_LAYERS[scheme](nn.Linear(192, 50).to(torch.bfloat16), 64)
+    for rows in (1, 6, 64, NATIVE_QUANTIZED_ROWS + 1):
+        x = torch.randn(rows, 192, dtype=torch.bfloat16)
+        y = q(x)
+        exact = F.linear(round_activations(x.float()), q.dequantized(torch.float32), q.bias.float())
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), exact, atol=0.02, rtol=0.01)  # a bf16 rounding of the output
+    assert calls == [(50, native.pieces(50))] * 3  # 1, 6 and 64 rows; 129 rows took the dense path
+
+
 @pytest.mark.parametrize("cap", [None, "avx2"])  # the build for this CPU (VNNI where it has it); maddubs's 16 bits
 def test_int8_a8_products_at_full_scale_do_not_saturate(cap, monkeypatch):
     """Every weight and input at +-127 steps: each pair of byte products sums to 2 x 127 x 127,

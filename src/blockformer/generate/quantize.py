@@ -76,11 +76,18 @@ class QuantizedLinear(nn.Module):
         # Inductor cannot hand a freshly cast input to the packed kernels (torch 2.13), so under
         # torch.compile with autocast the dense path runs: store the model in bf16 instead.
         cast_in_graph = torch.compiler.is_compiling() and torch.is_autocast_enabled(device)
-        rows = x.numel() // self.in_features
-        few = rows <= KERNEL_MAX_ROWS or kernels.native_quantized_matmul(dtype, rows, self.bits)
-        if device == "cpu" and few and not cast_in_graph:
+        if device == "cpu" and self.takes_kernel(dtype, self._rows(x)) and not cast_in_graph:
             return self.kernel(x)
-        return F.linear(self.activations(x), self.dequantized(dtype), None if self.bias is None else self.bias.to(dtype))
+        return self.dense(x)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """``activations(x) W^T + b`` with the whole weight dequantized to ``x``'s dtype: one dense matmul."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(self.activations(x), self.dequantized(x.dtype), bias)
+
+    def takes_kernel(self, dtype: torch.dtype, rows: int) -> bool:
+        """Whether a CPU product of ``rows`` rows in ``dtype`` goes to ``kernel`` (else the dense path)."""
+        return rows <= KERNEL_MAX_ROWS or kernels.native_quantized_matmul(dtype, rows, self.bits)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T + b`` for a few rows ``x`` (any leading dimensions: the C kernels take them
@@ -119,7 +126,7 @@ class Int8Linear(QuantizedLinear):
         if kernels.native_quantized_matmul(x.dtype, self._rows(x), self.bits) and native.ready(_int8_matmul):
             return native.call(int8_matmul, x.float(), self.weight, self.scales, self.bias).to(x.dtype)
         if self.in_features % 16:  # torch 2.13's AVX-512 bf16 kernel gives garbage or crashes (200, 216)
-            return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            return self.dense(x)
         return self._in_2d(lambda x2: self._plus_bias(torch.ops.aten._weight_int8pack_mm(
             x2, self.weight, self.scales.to(x.dtype))), x)
 
@@ -241,11 +248,24 @@ native.matmul_op(int4_a8_matmul)
 native.matmul_op(int8_a8_matmul)
 
 
-class Int8A8Linear(Int8Linear):
-    """``Int8Linear``'s weights, multiplied by activations rounded to int8 (``round_activations``)
-    on every path: by ``csrc/int8_a8_matmul.c`` at a decode step's few rows on the CPU (bf16 rows
-    widened to fp32 first), as the rounded activations times the dequantized weight elsewhere.
-    Rows are rounded in blocks of 32, so ``in_features`` must be a multiple of 32."""
+class RoundedActivations:
+    """What an a8 layer adds to its weight-only parent: activations rounded to int8
+    (``round_activations``) on every path, by its own C kernel for up to
+    ``kernels.NATIVE_QUANTIZED_ROWS`` rows on the CPU in any dtype (bf16 rows widened to fp32;
+    torch has no kernel for these schemes to weigh it against, and the dense path dequantizes the
+    whole weight every call), as the rounded activations times the dequantized weight elsewhere."""
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        return round_activations(x)
+
+    def takes_kernel(self, dtype: torch.dtype, rows: int) -> bool:
+        return rows <= kernels.NATIVE_QUANTIZED_ROWS
+
+
+class Int8A8Linear(RoundedActivations, Int8Linear):
+    """``Int8Linear``'s weights against rounded activations (``RoundedActivations``), by
+    ``csrc/int8_a8_matmul.c``. Rows are rounded in blocks of 32, so ``in_features`` must be a
+    multiple of 32."""
 
     def __init__(self, linear: nn.Linear) -> None:
         if linear.in_features % ACTIVATION_BLOCK:
@@ -253,14 +273,10 @@ class Int8A8Linear(Int8Linear):
                              "its activations are rounded in blocks of that many")
         super().__init__(linear)
 
-    def activations(self, x: torch.Tensor) -> torch.Tensor:
-        return round_activations(x)
-
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if self._rows(x) <= kernels.NATIVE_QUANTIZED_ROWS and native.ready(_int8_a8_matmul):
+        if native.ready(_int8_a8_matmul):
             return native.call(int8_a8_matmul, x.float(), self.weight, self.scales, self.bias).to(x.dtype)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(round_activations(x), self.dequantized(x.dtype), bias)
+        return self.dense(x)
 
     def extra_repr(self) -> str:
         return super().extra_repr().replace("int8", "int8-a8", 1)
@@ -307,7 +323,7 @@ class Int4Linear(QuantizedLinear):
             y = native.call(int4_matmul, x.float(), self.codes, self.scales, self.zeros, self.group_size, self.bias)
             return y.to(x.dtype)
         if not hasattr(self, "packed"):  # quantized off the CPU: no kernel layout to use
-            return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            return self.dense(x)
         return self._in_2d(lambda x2: self._plus_bias(torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.packed, self.group_size, self.scales_and_zeros.to(x.dtype))[:, : self.out_features]), x)
 
@@ -318,22 +334,17 @@ class Int4Linear(QuantizedLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4, group_size={self.group_size}"
 
 
-class Int4A8Linear(Int4Linear):
-    """``Int4Linear``'s weights, multiplied by activations rounded to int8 (``round_activations``)
-    on every path: by ``csrc/int4_a8_matmul.c`` at a decode step's few rows on the CPU (bf16 rows
-    widened to fp32 first), as the rounded activations times the dequantized weight elsewhere.
-    Torch's int4 kernel never runs, so its copy of the codes is not kept."""
+class Int4A8Linear(RoundedActivations, Int4Linear):
+    """``Int4Linear``'s weights against rounded activations (``RoundedActivations``), by
+    ``csrc/int4_a8_matmul.c``. Torch's int4 kernel never runs, so its copy of the codes is not kept."""
 
     torch_layout = False
 
-    def activations(self, x: torch.Tensor) -> torch.Tensor:
-        return round_activations(x)
-
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if self._rows(x) <= kernels.NATIVE_QUANTIZED_ROWS and native.ready(_int4_a8_matmul):
+        if native.ready(_int4_a8_matmul):
             y = native.call(int4_a8_matmul, x.float(), self.codes, self.scales, self.zeros, self.group_size, self.bias)
             return y.to(x.dtype)
-        return F.linear(round_activations(x), self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return self.dense(x)
 
     def extra_repr(self) -> str:
         return super().extra_repr().replace("int4", "int4-a8", 1)

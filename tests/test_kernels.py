@@ -206,6 +206,10 @@ def test_which_cpus_take_the_c_kernels_for_quantized_products(monkeypatch, featu
         assert not kernels.native_quantized_matmul(torch.float16, 1, bits)
     assert kernels.native_quantized_matmul(BF16, 4, 8) is bf16
     assert not kernels.native_quantized_matmul(BF16, 4, 4)  # torch's bf16 int4 kernel was the faster
+    for bits in (8, 4):  # past torch's few rows: the C kernel, not a dense path that dequantizes every weight
+        assert kernels.native_quantized_matmul(BF16, kernels.TORCH_PACKED_MAX_ROWS + 1, bits)
+        assert kernels.native_quantized_matmul(BF16, kernels.NATIVE_QUANTIZED_ROWS, bits)
+        assert not kernels.native_quantized_matmul(BF16, kernels.NATIVE_QUANTIZED_ROWS + 1, bits)
 
 
 def test_can_pack_follows_the_choice(monkeypatch):

@@ -123,6 +123,12 @@ def paged_decode_kernel(dtype: torch.dtype, device: torch.device) -> bool:
 # keeps torch's kernel, as do AMX CPUs, where neither was measured (BENCHMARKS.md "Decoding on an
 # AVX512-BF16 EPYC").
 NATIVE_QUANTIZED_ROWS = 128
+# torch's packed bf16 int8/int4 CPU kernels beat a dense matmul only for this many rows. Past them, bf16
+# rows widen to fp32 for the C kernels rather than take the dense path, which dequantizes the whole
+# weight every call: a served GPT-2 small's int4 layers at 16 rows ran 4.6-4.7x faster that way on the
+# AVX512-BF16 EPYC (BENCHMARKS.md "int8 weights against int8 activations"; the crossover at 128 rows was
+# measured with fp32 rows, not on an AMX CPU).
+TORCH_PACKED_MAX_ROWS = 4
 
 
 def bf16_rows_in_c_kernels() -> bool:
@@ -135,10 +141,13 @@ INT8_BF16_IN_C = bf16_rows_in_c_kernels()
 
 
 def native_quantized_matmul(dtype: torch.dtype, rows: int, bits: int) -> bool:
-    """Whether a ``bits``-bit quantized layer's product of ``rows`` rows takes blockformer's C kernel."""
+    """Whether a ``bits``-bit quantized layer's product of ``rows`` rows takes blockformer's C kernel:
+    fp32 rows; bf16 rows past the few of torch's packed kernels, and int8 ones on CPUs without AMX."""
     if rows > NATIVE_QUANTIZED_ROWS:
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and bits == 8 and INT8_BF16_IN_C)
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and (rows > TORCH_PACKED_MAX_ROWS or (bits == 8 and INT8_BF16_IN_C))
 
 
 # --- precision "auto" (precision.py) -----------------------------------------------------

@@ -19,8 +19,8 @@ point; only the weights are rounded.
 With fp32 activations PyTorch's packed low-bit CPU kernels are slower than the float model,
 so a decode step uses blockformer's own (``csrc/int8_matmul.c``, ``csrc/int4_matmul.c``, built
 by ``native``), which read each weight byte once for all of the step's rows. bf16 activations
-(``--precision bf16``) are widened to fp32 for the int8 one where ``kernels.native_quantized_matmul``
-says so (CPUs without AMX), and take PyTorch's kernels elsewhere. This is for inference: a
+(``--precision bf16``) are widened to fp32 for these kernels where ``kernels.native_quantized_matmul``
+says so (past a few rows; for int8, on CPUs without AMX), and take PyTorch's kernels elsewhere. This is for inference: a
 quantized model cannot be trained, and its outputs differ from the float model's (int4 more
 than int8; ``blockformer eval --quantize`` measures the cost).
 
@@ -43,16 +43,17 @@ from ..precision import DTYPES
 from .linears import load_operators_for, swap_linears
 from .packed import pack_linears
 
-KERNEL_MAX_ROWS = 4  # torch's packed CPU kernels (bf16) beat a dense matmul only for a few rows
+KERNEL_MAX_ROWS = kernels.TORCH_PACKED_MAX_ROWS  # torch's packed CPU kernels (bf16) pay only for a few rows
 
 
 class QuantizedLinear(nn.Module):
     """What the int8 and int4 layers share: ``y = x W^T + b`` computed in the activation's
     dtype (the autocast dtype under autocast). On the CPU, fp32 products of up to
     ``kernels.NATIVE_QUANTIZED_ROWS`` rows (decode steps, short prompts) go through
-    blockformer's C kernels (bf16 int8 ones too, widened, where ``kernels.native_quantized_matmul``
-    says so), other bf16 ones of at most ``KERNEL_MAX_ROWS`` rows through PyTorch's packed
-    low-bit kernels; both read only the quantized bytes. Anything larger (a
+    blockformer's C kernels, and so do bf16 ones (widened) past ``KERNEL_MAX_ROWS`` rows and, where
+    ``kernels.native_quantized_matmul`` says so, int8 ones of fewer; other bf16 ones of at most
+    ``KERNEL_MAX_ROWS`` rows go through PyTorch's packed low-bit kernels; both read only the
+    quantized bytes. Anything larger (a
     long prompt, a beam of sentences, evaluation) is faster as the dequantized weight in one
     dense matmul."""
 

@@ -12,7 +12,7 @@ from blockformer import TransformerConfig, build_model, native
 from blockformer.generate import generate
 from blockformer.kernels import NATIVE_QUANTIZED_ROWS
 from blockformer.generate.quantize import (KERNEL_MAX_ROWS, Int4A8Linear, Int4Linear, Int8A8Linear, Int8Linear,
-                                           prepare_for_decoding, quantize, round_activations)
+                                           dequantize_int4, prepare_for_decoding, quantize, round_activations)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -97,7 +97,7 @@ def count_kernel_calls(monkeypatch) -> list[tuple[int, int]]:
     return calls
 
 
-ROWS = [1, 2, 3, 4, 7, 9, NATIVE_QUANTIZED_ROWS + 1]
+ROWS = [1, 2, 3, 4, 7, 9, 17, NATIVE_QUANTIZED_ROWS + 1]  # 5 (or 6, 8) and more: the a8 repacked paths
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -160,7 +160,8 @@ def test_each_build_of_the_c_kernels_equals_the_dequantized_product(cap, flags, 
         build.cache_clear()
     try:
         assert native.arch_flags() == flags
-        for rows, biased in ((1, False), (3, True), (6, True)):  # one block of rows, a partial one, past four
+        for rows, biased in ((1, False), (3, True), (6, True), (13, False)):  # a block of rows, a partial one,
+            # past four; 6 and 13 take int8-a8's repacked path, 13 int4-a8's (tiles of 4 rows, 8 channels a group)
             b8, b4 = (int8.bias, int4.bias) if biased else (None, None)  # the kernels add it, or nothing
             x = torch.randn(rows, 200)
             torch.testing.assert_close(QUANTIZE.int8_matmul(x, int8.weight, int8.scales, b8),
@@ -279,11 +280,34 @@ def test_int8_a8_products_at_full_scale_do_not_saturate(cap, monkeypatch):
         q = Int8A8Linear(linear)
         assert q.weight.abs().min() == 127
         x = torch.tensor([[3.0] * 32 + [-3.0] * 32, [-2.0, 2.0] * 32])  # each block at its own max
-        torch.testing.assert_close(QUANTIZE.int8_a8_matmul(x, q.weight, q.scales), x @ linear.weight.T,
-                                   atol=1e-4, rtol=1e-5)
+        for rows in (x, x.repeat(5, 1) * torch.tensor([1.0, -1.0]).repeat(5)[:, None]):  # and 10: the repacked path
+            torch.testing.assert_close(QUANTIZE.int8_a8_matmul(rows, q.weight, q.scales), rows @ linear.weight.T,
+                                       atol=1e-4, rtol=1e-5)
     finally:
         monkeypatch.undo()
         native.load.cache_clear(), QUANTIZE._int8_a8_matmul.cache_clear()
+
+
+@pytest.mark.parametrize("cap", [None, "avx2"])
+def test_int4_a8_products_at_full_scale_do_not_overflow(cap, monkeypatch):
+    """Codes at 15 (and 0) against inputs at +-127 steps: without VNNI the many-row path adds a
+    block's 8 maddubs as int16, at most 16 x 15 x 127 = 30,480 a lane, before widening."""
+    if cap and platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the instruction-set flags are x86's")
+    if cap:
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
+    native.load.cache_clear(), QUANTIZE._int4_a8_matmul.cache_clear()
+    try:
+        q = torch.tensor([15, 0]).repeat_interleave(8)[:, None].expand(16, 128).to(torch.uint8)  # 8 channels each
+        codes, scales, zeros = QUANTIZE.pack_int4(q), torch.full((16, 2), 0.01), torch.zeros(16, 2)
+        dense = dequantize_int4(codes, scales, zeros, 64, torch.float32)
+        x = torch.tensor([[3.0] * 128, [-2.0] * 128])  # each block at its own max, one sign
+        for rows in (x, x.repeat(5, 1)):  # 2 rows; 10, the many-row path
+            torch.testing.assert_close(QUANTIZE.int4_a8_matmul(rows, codes, scales, zeros, 64), rows @ dense.T,
+                                       atol=1e-4, rtol=1e-5)
+    finally:
+        monkeypatch.undo()
+        native.load.cache_clear(), QUANTIZE._int4_a8_matmul.cache_clear()
 
 
 def test_int8_a8_needs_whole_blocks_of_32_inputs():

@@ -14,6 +14,8 @@
  */
 #include "rows.h"
 
+#include <stdlib.h>
+
 #define BLOCK A8_BLOCK
 
 /* The rows' activations as the kernel reads them: xq[r, k] int8, in the order that code bytes
@@ -44,8 +46,8 @@ static inline int64_t paired(int64_t k) {
 #define PAIRS(G) 0
 #endif
 
-static void round_rows(const float *x, Rounded a, int64_t rows, int64_t K, int64_t G) {
-    const int64_t blocks = K / BLOCK, per_group = G / BLOCK, pairs = PAIRS(G);
+static void round_rows(const float *x, Rounded a, int64_t rows, int64_t K, int64_t G, int pairs) {
+    const int64_t blocks = K / BLOCK, per_group = G / BLOCK;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < blocks; b++) {
             int8_t q[BLOCK];
@@ -214,6 +216,106 @@ static Rounded offset_rows(Rounded a, int64_t r0, int64_t K, int64_t G) {
     return (Rounded){a.xq + r0 * K, a.d + r0 * (K / BLOCK), a.dv + r0 * (K / 8), a.dq + r0 * (K / G)};
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* Many rows (MANY_ROWS or more), as int8_a8_matmul.c's many-row path: a thread repacks 8 output
+ * channels' codes at a time, unpacked to bytes (0..15) in codes32's order, so that vector t of
+ * block b holds codes 4t..4t+3 of each channel's block, and the rows' rounded inputs, stored
+ * unpaired, are broadcast 4 at a time against them. The codes are the unsigned operand, so
+ * neither VNNI nor AVX2 needs a sign trick; without VNNI a block's 8 maddubs add as int16 (at
+ * most 16 x 15 x 127 = 30,480) before one madd. A group's lanes then take its 8 channels'
+ * scales and zero offsets as vectors (2 a group, repacked with the codes). MANY_ROWS: from
+ * where this path was the faster (bench_kernel_ab.py): the few-row bodies' paired runs already
+ * share a conversion and an FMA between two blocks, so the gain is smaller than int8-a8's. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define VNNI 1
+#define MANY_ROWS 5
+#else
+#define VNNI 0
+#define MANY_ROWS 8
+#endif
+
+/* Channels [o, o + n) (n <= 8; the other lanes zero) into wt: 8 vectors a block, then per group
+ * the channels' scales and their zero - 8 x scale (2 vectors a group). */
+static void repack(const uint8_t *codes, const float *scales, const float *zeros, int64_t o, int n, int64_t K,
+                   int64_t G, __m256i *wt) {
+    const int64_t blocks = K / BLOCK, groups = K / G;
+    const uint8_t *co = codes + o * (K / 2);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i v[8];
+        for (int j = 0; j < 8; j++) v[j] = j < n ? codes32(co + j * (K / 2) + b * (BLOCK / 2)) : _mm256_setzero_si256();
+        transpose8(v);
+        for (int t = 0; t < 8; t++) wt[b * 8 + t] = v[t];
+    }
+    __m256 *sz = (__m256 *)(wt + 8 * blocks);
+    for (int64_t g = 0; g < groups; g++) {
+        float s[8] = {0}, z[8] = {0};
+        for (int j = 0; j < n; j++) {
+            s[j] = scales[(o + j) * groups + g];
+            z[j] = zeros[(o + j) * groups + g] - 8.0f * s[j];
+        }
+        sz[2 * g] = _mm256_loadu_ps(s);
+        sz[2 * g + 1] = _mm256_loadu_ps(z);
+    }
+}
+
+/* R rows (xq, d and dq at the first) of the 8 repacked channels at o, n of them real */
+#define MANY(R)                                                                                    \
+    static void many_##R(Rounded a, const __m256i *wt, const float *bias, float *y, int64_t o, int n, int64_t K, \
+                         int64_t G, int64_t N, const uint8_t *ahead) {                             \
+        const int64_t blocks = K / BLOCK, groups = K / G, per_group = G / BLOCK;                   \
+        const __m256 *sz = (const __m256 *)(wt + 8 * blocks);                                      \
+        __m256 total[R];                                                                           \
+        for (int r = 0; r < R; r++) total[r] = _mm256_setzero_ps();                                \
+        for (int64_t g = 0; g < groups; g++) {                                                     \
+            __m256 acc[R];                                                                         \
+            for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                              \
+            for (int64_t b = g * per_group; b < (g + 1) * per_group; b++) {                        \
+                if (ahead) /* the next 8 channels' codes, 128 bytes a block */                     \
+                    for (int l = 0; l < 8 * BLOCK / 2; l += 64) __builtin_prefetch(ahead + b * 4 * BLOCK + l, 0, 3); \
+                __m256i dot[R];                                                                    \
+                for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();                       \
+                for (int t = 0; t < 8; t++) {                                                      \
+                    const __m256i wv = wt[b * 8 + t];                                              \
+                    for (int r = 0; r < R; r++) {                                                  \
+                        const __m256i x4 = broadcast4(a.xq + r * K + b * BLOCK + 4 * t);           \
+                        dot[r] = VNNI ? dpbusd(dot[r], wv, x4) : _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(wv, x4)); \
+                    }                                                                              \
+                }                                                                                  \
+                for (int r = 0; r < R; r++) {                                                      \
+                    const __m256i d32 = VNNI ? dot[r] : _mm256_madd_epi16(dot[r], _mm256_set1_epi16(1)); \
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), _mm256_broadcast_ss(a.d + r * blocks + b), acc[r]); \
+                }                                                                                  \
+            }                                                                                      \
+            for (int r = 0; r < R; r++) {                                                          \
+                total[r] = _mm256_fmadd_ps(acc[r], sz[2 * g], total[r]);                           \
+                total[r] = _mm256_fmadd_ps(sz[2 * g + 1], _mm256_broadcast_ss(a.dq + r * groups + g), total[r]); \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < R; r++) store8(total[r], NULL, bias, y + r * N, o, n);                 \
+    }
+
+#if VNNI
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { (void)u, (void)s; return acc; } /* not taken */
+#endif
+
+MANY(1) MANY(2) MANY(3) MANY(4) MANY(5) MANY(6) MANY(7) MANY(8)
+
+/* vectors a thread's repacked channels take: 8 a block, 2 a group */
+static int64_t repacked_size(int64_t K, int64_t G) { return (K / BLOCK) * 8 + (K / G) * 2; }
+
+static void many_span(Rounded a, const uint8_t *codes, const float *scales, const float *zeros, const float *bias,
+                      float *y, int64_t rows, int64_t o0, int64_t o1, int64_t K, int64_t G, int64_t N, __m256i *wt) {
+    for (int64_t o = o0; o < o1; o += 8) {
+        const int n = o1 - o < 8 ? (int)(o1 - o) : 8;
+        repack(codes, scales, zeros, o, n, K, G, wt);
+        const uint8_t *ahead = o + 8 < o1 ? codes + (o + 8) * (K / 2) : NULL;
+        EACH_TILE(rows, offset_rows(a, r0, K, G), wt, bias, y + r0 * N, o, n, K, G, N, r0 == 0 ? ahead : NULL)
+    }
+}
+#endif
+
 static void span(Rounded a, const uint8_t *codes, const float *scales, const float *zeros, const float *bias,
                  float *y, int64_t rows, int64_t o0, int64_t o1, int64_t K, int64_t G, int64_t N) {
     EACH_BLOCK(rows, o0, o1, offset_rows(a, r0, K, G), codes, scales, zeros, bias, y + r0 * N, c0, c1, K, G, N)
@@ -231,7 +333,22 @@ void int4_a8_matmul_f32(const float *x, const uint8_t *codes, const float *scale
     a.dv = a.d + rows * (K / BLOCK);
     a.dq = a.dv + rows * (K / 8);
     a.xq = (int8_t *)(a.dq + rows * (K / G));
-    round_rows(x, a, rows, K, G);
+#if defined(__AVX2__) && defined(__FMA__)
+    /* each thread's repacked channels; where they cannot be had, the few-row bodies do it all */
+    __m256i *repacked = rows >= MANY_ROWS
+                            ? aligned_alloc(32, (size_t)(threads * repacked_size(K, G)) * sizeof(__m256i))
+                            : NULL;
+    if (repacked) {
+        round_rows(x, a, rows, K, G, 0);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+        for (int64_t t = 0; t < threads; t++)
+            many_span(a, codes, scales, zeros, bias, y, rows, N * t / threads, N * (t + 1) / threads, K, G, N,
+                      repacked + t * repacked_size(K, G));
+        free(repacked);
+        return;
+    }
+#endif
+    round_rows(x, a, rows, K, G, PAIRS(G));
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t t = 0; t < threads; t++)
         span(a, codes, scales, zeros, bias, y, rows, N * t / threads, N * (t + 1) / threads, K, G, N);

@@ -14,6 +14,8 @@
  */
 #include "rows.h"
 
+#include <stdlib.h>
+
 #define BLOCK A8_BLOCK
 
 /* The rows' activations as the kernel reads them: xq[r, k] int8 in x's order, d[r, b] per block. */
@@ -80,6 +82,109 @@ static inline __m256i dot32(__m256i magnitude, __m256i signed_x) {
 
 ALL_ROWS
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* Many rows (MANY_ROWS or more: a server's in-flight sequences, a short prompt). One output
+ * channel at a time, each block's dot of each row ends in its own 8 lanes, and turning it into
+ * a float (a conversion and an FMA by the row's block scale) costs as much as the integer
+ * product itself. Here 8 channels share one vector instead, lane j channel j: a thread first
+ * repacks their weights so that vector t of block b holds bytes 4t..4t+3 of the block of each
+ * of the 8 channels (an 8 x 8 transpose of 32-bit words), and 4 bytes of a row's inputs,
+ * broadcast, multiply all 8 at once. After a block's 8 vectors each lane holds its channel's
+ * whole dot, and one conversion and one FMA serve 8 channels. As llama.cpp repacks its
+ * weights for many rows, but per call, into a thread's scratch, so the layer keeps one copy.
+ * With VNNI the inputs are stored unsigned (x + 128, for vpdpbusd's unsigned operand) and each
+ * block's lanes start from -128 times its channels' weight sums (repacked with them), so no
+ * sign is applied per row; with AVX2 alone the repack keeps |w| beside w, as the few-row body
+ * uses it. While the first tile of rows works on one group, it prefetches the next group's
+ * weights, a share a block: asked for all at once, before each repack, they came too late and
+ * left a pass at 8 rows 1.6x slower than the same pass on weights already in the caches.
+ * A pass over a group's repacked weights takes TILE rows (rows.h). MANY_ROWS: from where this
+ * path was the faster on GPT-2 small's weights (bench_kernel_ab.py; at 4 rows the few-row
+ * bodies already run near the memory's speed). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define UNSIGNED_INPUTS 1
+#define MANY_ROWS 5
+#else
+#define UNSIGNED_INPUTS 0
+#define MANY_ROWS 6
+#endif
+
+/* Channels [o, o + n) (n <= 8; the rest of the 8 lanes are zero weights) into wt (8 vectors a
+ * block) and extra: with VNNI -128 x each block's weight sums (1 vector a block), else |w|
+ * (8 a block). */
+static void repack(const int8_t *w, int64_t o, int n, int64_t K, __m256i *wt, __m256i *extra) {
+    const int8_t *wo = w + o * K;
+    for (int64_t b = 0; b < K / BLOCK; b++) {
+        __m256i v[8];
+        for (int j = 0; j < 8; j++)
+            v[j] = j < n ? _mm256_loadu_si256((const __m256i *)(wo + j * K + b * BLOCK)) : _mm256_setzero_si256();
+        transpose8(v);
+#if UNSIGNED_INPUTS
+        __m256i sums = _mm256_setzero_si256();
+        for (int t = 0; t < 8; t++) sums = _mm256_dpbusd_epi32(sums, _mm256_set1_epi8((char)0x80), v[t]);
+        extra[b] = _mm256_sub_epi32(_mm256_setzero_si256(), sums);
+#endif
+        for (int t = 0; t < 8; t++) {
+            wt[b * 8 + t] = v[t];
+#if !UNSIGNED_INPUTS
+            extra[b * 8 + t] = _mm256_sign_epi8(v[t], v[t]);
+#endif
+        }
+    }
+}
+
+/* R rows (xq and d at the first) of the 8 repacked channels at o, n of them real */
+#define MANY(R)                                                                                    \
+    static void many_##R(Rounded a, const __m256i *wt, const __m256i *extra, const float *scales,   \
+                         const float *bias, float *y, int64_t o, int n, int64_t K, int64_t N,      \
+                         const int8_t *ahead) {                                                    \
+        const int64_t blocks = K / BLOCK;                                                          \
+        __m256 acc[R];                                                                             \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                  \
+        for (int64_t b = 0; b < blocks; b++) {                                                     \
+            if (ahead) /* the next 8 channels, a 256-byte share a block, as this group's arithmetic runs */ \
+                for (int l = 0; l < 8 * BLOCK; l += 64) __builtin_prefetch(ahead + b * 8 * BLOCK + l, 0, 3); \
+            __m256i dot[R];                                                                        \
+            for (int r = 0; r < R; r++) dot[r] = UNSIGNED_INPUTS ? extra[b] : _mm256_setzero_si256(); \
+            for (int t = 0; t < 8; t++) {                                                          \
+                const __m256i wv = wt[b * 8 + t];                                                  \
+                for (int r = 0; r < R; r++) {                                                      \
+                    const __m256i x4 = broadcast4(a.xq + r * K + b * BLOCK + 4 * t);               \
+                    dot[r] = UNSIGNED_INPUTS ? dpbusd(dot[r], x4, wv)                              \
+                                             : _mm256_add_epi32(dot[r], dot32(extra[b * 8 + t], _mm256_sign_epi8(x4, wv))); \
+                }                                                                                  \
+            }                                                                                      \
+            for (int r = 0; r < R; r++)                                                            \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_broadcast_ss(a.d + r * blocks + b), acc[r]); \
+        }                                                                                          \
+        for (int r = 0; r < R; r++) store8(acc[r], scales, bias, y + r * N, o, n);                 \
+    }
+
+#if UNSIGNED_INPUTS
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { (void)u, (void)s; return acc; } /* not taken */
+#endif
+
+MANY(1) MANY(2) MANY(3) MANY(4) MANY(5) MANY(6) MANY(7) MANY(8)
+
+/* vectors of repacked weights a thread holds: 8 a block, and the extra ones */
+static int64_t repacked_size(int64_t K) { return (K / BLOCK) * (UNSIGNED_INPUTS ? 9 : 16); }
+
+static void many_span(Rounded a, const int8_t *w, const float *scales, const float *bias, float *y, int64_t rows,
+                      int64_t o0, int64_t o1, int64_t K, int64_t N, __m256i *wt) {
+    const int64_t blocks = K / BLOCK;
+    __m256i *extra = wt + 8 * blocks;
+    for (int64_t o = o0; o < o1; o += 8) {
+        const int n = o1 - o < 8 ? (int)(o1 - o) : 8;
+        repack(w, o, n, K, wt, extra);
+        const int8_t *ahead = o + 8 < o1 ? w + (o + 8) * K : NULL;
+        EACH_TILE(rows, ((Rounded){a.xq + r0 * K, a.d + r0 * blocks}), wt, extra, scales, bias, y + r0 * N, o, n, K,
+                  N, r0 == 0 ? ahead : NULL)
+    }
+}
+#endif
+
 static void span(Rounded a, const int8_t *w, const float *scales, const float *bias, float *y, int64_t rows,
                  int64_t o0, int64_t o1, int64_t K, int64_t N) {
     EACH_BLOCK(rows, o0, o1, ((Rounded){a.xq + r0 * K, a.d + r0 * (K / BLOCK)}), w, scales, bias, y + r0 * N, c0, c1,
@@ -93,6 +198,20 @@ void int8_a8_matmul_f32(const float *x, const int8_t *w, const float *scales, co
                         float *scratch, int64_t rows, int64_t K, int64_t N, int64_t threads) {
     const Rounded a = {(int8_t *)(scratch + rows * (K / BLOCK)), scratch};
     round_rows(x, a, rows, K);
+#if defined(__AVX2__) && defined(__FMA__)
+    /* each thread's repacked weights; where they cannot be had, the few-row bodies do it all */
+    __m256i *repacked = rows >= MANY_ROWS ? aligned_alloc(32, (size_t)(threads * repacked_size(K)) * sizeof(__m256i))
+                                          : NULL;
+    if (repacked) {
+        for (int64_t i = 0; UNSIGNED_INPUTS && i < rows * K; i++) a.xq[i] = (int8_t)(a.xq[i] ^ 0x80); /* x + 128 */
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+        for (int64_t t = 0; t < threads; t++)
+            many_span(a, w, scales, bias, y, rows, N * t / threads, N * (t + 1) / threads, K, N,
+                      repacked + t * repacked_size(K));
+        free(repacked);
+        return;
+    }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t t = 0; t < threads; t++)
         span(a, w, scales, bias, y, rows, N * t / threads, N * (t + 1) / threads, K, N);

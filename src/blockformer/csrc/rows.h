@@ -17,6 +17,67 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+
+/* What the a8 kernels' many-row paths share (int8_a8_matmul.c says how they work): 8 output
+ * channels to a vector, their weights repacked so that vector t of a block of 32 holds bytes
+ * 4t..4t+3 of each channel's block, and a row's 4 inputs broadcast against it. */
+
+/* v[t] lane j = v[j] lane t: the 8 x 8 transpose of 32-bit words */
+static inline void transpose8(__m256i v[8]) {
+    __m256i a[8], b[8];
+    for (int i = 0; i < 8; i += 2) {
+        a[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+        a[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            b[i + 2 * h] = _mm256_unpacklo_epi64(a[i + h], a[i + h + 2]);
+            b[i + 2 * h + 1] = _mm256_unpackhi_epi64(a[i + h], a[i + h + 2]);
+        }
+    for (int t = 0; t < 4; t++) {
+        v[t] = _mm256_permute2x128_si256(b[t], b[t + 4], 0x20);
+        v[t + 4] = _mm256_permute2x128_si256(b[t], b[t + 4], 0x31);
+    }
+}
+
+/* 4 bytes of a row's inputs in every 32-bit lane */
+static inline __m256i broadcast4(const int8_t *x) {
+    int32_t v;
+    __builtin_memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* y[o + j] = lane j (times scales[o + j] where scales is not NULL) + bias[o + j] (where not
+ * NULL), for the n real lanes of 8 channels from o */
+static inline void store8(__m256 acc, const float *scales, const float *bias, float *y, int64_t o, int n) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int j = 0; j < n; j++) y[o + j] = lanes[j] * (scales ? scales[o + j] : 1.0f) + (bias ? bias[o + j] : 0.0f);
+}
+
+/* With AVX512-VNNI's 32 vector registers a pass over a group's repacked weights takes 8 rows
+ * (8 independent chains of dot products in flight), with AVX2's 16 it takes 4. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TILE 8
+#else
+#define TILE 4
+#endif
+
+/* For each tile of at most TILE rows from r0, call many_n(...) with n its rows (the arguments
+ * may use r0); many_1 .. many_8 are defined, many_5 .. many_8 reached only where TILE is 8. */
+#define EACH_TILE(rows, ...)                                                        \
+    for (int64_t r0 = 0; r0 < (rows); r0 += TILE) {                                 \
+        switch ((rows) - r0 < TILE ? (rows) - r0 : TILE) {                          \
+            case 1: many_1(__VA_ARGS__); break;                                     \
+            case 2: many_2(__VA_ARGS__); break;                                     \
+            case 3: many_3(__VA_ARGS__); break;                                     \
+            case 4: many_4(__VA_ARGS__); break;                                     \
+            case 5: many_5(__VA_ARGS__); break;                                     \
+            case 6: many_6(__VA_ARGS__); break;                                     \
+            case 7: many_7(__VA_ARGS__); break;                                     \
+            default: many_8(__VA_ARGS__); break;                                    \
+        }                                                                           \
+    }
 #endif
 
 /* Software prefetch: as a kernel starts a row of weights it asks for the same number of bytes

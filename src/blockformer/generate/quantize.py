@@ -251,16 +251,16 @@ native.matmul_op(int8_a8_matmul)
 
 class RoundedActivations:
     """What an a8 layer adds to its weight-only parent: activations rounded to int8
-    (``round_activations``) on every path, by its own C kernel for up to
-    ``kernels.NATIVE_QUANTIZED_ROWS`` rows on the CPU in any dtype (bf16 rows widened to fp32;
-    torch has no kernel for these schemes to weigh it against, and the dense path dequantizes the
-    whole weight every call), as the rounded activations times the dequantized weight elsewhere."""
+    (``round_activations``) on every path, by its own C kernel on the CPU in any dtype (bf16
+    rows widened to fp32; torch has no kernel for these schemes, and the dense path dequantizes
+    the whole weight every call) for as many rows as ``kernels.a8_kernel_rows`` allows (a
+    prompt's too), as the rounded activations times the dequantized weight elsewhere."""
 
     def activations(self, x: torch.Tensor) -> torch.Tensor:
         return round_activations(x)
 
     def takes_kernel(self, dtype: torch.dtype, rows: int) -> bool:
-        return rows <= kernels.NATIVE_QUANTIZED_ROWS
+        return kernels.a8_kernel_rows(dtype, rows)
 
 
 class Int8A8Linear(RoundedActivations, Int8Linear):

@@ -45,6 +45,26 @@ def test_cached_and_uncached_greedy_give_the_same_tokens(position, n_kv_heads):
     assert len({t for row in cached for t in row}) > 3  # not one repeated token
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_only_each_rows_last_position_reaches_the_lm_head(use_cache):
+    """The prompt's other positions need no logits: the head multiplies B rows a step, and the
+    tokens are those of the full forward's last position, greedy by hand."""
+    model = make()
+    seen = []
+    hook = model.head.register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    try:
+        tokens = generate(model, PROMPTS, 6, temperature=0, use_cache=use_cache)
+    finally:
+        hook.remove()
+    assert [s[:-1].numel() for s in seen] == [3] * 6  # the prefill's and 5 steps': B rows each
+    for prompt, row in zip(PROMPTS, tokens):
+        seq = list(prompt)
+        for _ in range(6):
+            with torch.no_grad():
+                seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+        assert row == seq[len(prompt):]
+
+
 @pytest.mark.parametrize("position", POSITIONS)
 def test_left_padded_batch_gives_each_prompt_its_own_tokens(position):
     model = make(position, n_kv_heads=2)

@@ -228,7 +228,7 @@ static Rounded offset_rows(Rounded a, int64_t r0, int64_t K, int64_t G) {
  * share a conversion and an FMA between two blocks, so the gain is smaller than int8-a8's. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define VNNI 1
-#define MANY_ROWS 5
+#define MANY_ROWS 6
 #else
 #define VNNI 0
 #define MANY_ROWS 8

@@ -153,11 +153,11 @@ def native_quantized_matmul(dtype: torch.dtype, rows: int, bits: int) -> bool:
 def a8_kernel_rows(dtype: torch.dtype, rows: int) -> bool:
     """Whether an a8 layer's product of ``rows`` rows takes its C kernel (``generate/quantize.py``'s
     ``RoundedActivations``) rather than the rounded rows times the dequantized weight. Any number in
-    fp32: with their many-row path (8 channels to a vector) the kernels ran 2-4x faster than that
-    dense product at 128 to 512 rows on the AVX512-BF16 EPYC, native and capped at AVX2
-    (BENCHMARKS.md "int8 weights against int8 activations"). bf16 rows, widened, likewise where the
-    int8 rule sends them to C (no AMX); on AMX CPUs, where a bf16 dense product was not measured
-    against them, only up to NATIVE_QUANTIZED_ROWS."""
+    fp32: with their many-row path (8 channels to a vector) the kernels ran 1.4-10x faster than that
+    dense product at 128 to 2048 rows on the AVX512-BF16 EPYC, native and capped at AVX2, and 1.1-6x
+    against it in bf16 (``bench_a8_rows.py``, BENCHMARKS.md "Many rows through the a8 kernels"). So
+    bf16 rows, widened, go too where the int8 rule sends them to C (no AMX); on AMX CPUs, where a bf16
+    dense product was not measured against them, only up to NATIVE_QUANTIZED_ROWS."""
     return dtype == torch.float32 or INT8_BF16_IN_C or rows <= NATIVE_QUANTIZED_ROWS
 
 

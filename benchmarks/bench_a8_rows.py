@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from bench_kernels import shapes
-from common import cpu_kind
+from common import cpu_kind, report
 
 from blockformer.generate.quantize import Int4A8Linear, Int8A8Linear
 
@@ -57,11 +57,7 @@ def main() -> None:
                     lines.append(f"| {rows} | {str(dtype)[6:]} | {name} | {kernel:.1f} | {dense:.1f} | "
                                  f"{dense / kernel:.2f}x |")
                     print(lines[-1], flush=True)
-    report = "\n".join(lines) + "\n"
-    print("\n" + report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    report(lines, args.out)
 
 
 if __name__ == "__main__":

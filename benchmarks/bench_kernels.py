@@ -24,7 +24,7 @@ from blockformer.generate.quantize import (Int4Linear, Int8Linear, int4_a8_matmu
                                            int8_matmul)
 from blockformer.train.throughput import format_bytes_per_s, memory_bandwidth
 
-from common import cpu_kind
+from common import cpu_kind, report
 
 
 def shapes(d: int = 768, n_layers: int = 12) -> list[tuple[int, int]]:
@@ -128,11 +128,7 @@ def main() -> None:
                                lambda x: torch.ops.blockformer.int8_matmul(x, q.weight, q.scales, q.bias)),
                               ("Int8Linear, the whole layer (what an eager step calls)", q)):
             lines.append(f"| {name} | {call_cost(product, x):.1f} |")
-    report = "\n".join(lines) + "\n"
-    print("\n" + report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    report(lines, args.out)
 
 
 if __name__ == "__main__":

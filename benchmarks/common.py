@@ -92,3 +92,12 @@ def device_and_precision(args) -> tuple[torch.device, str]:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     return device, resolve_precision(args.precision, device)
+
+
+def report(lines: list[str], out: str | None) -> None:
+    """Print a benchmark's markdown table (its lines), and write it to ``out`` where given."""
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)

@@ -294,12 +294,6 @@ static void repack(const uint8_t *codes, const float *scales, const float *zeros
         for (int r = 0; r < R; r++) store8(total[r], NULL, bias, y + r * N, o, n);                 \
     }
 
-#if VNNI
-static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-#else
-static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { (void)u, (void)s; return acc; } /* not taken */
-#endif
-
 MANY(1) MANY(2) MANY(3) MANY(4) MANY(5) MANY(6) MANY(7) MANY(8)
 
 /* vectors a thread's repacked channels take: 8 a block, 2 a group */

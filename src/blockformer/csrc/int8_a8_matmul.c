@@ -160,12 +160,6 @@ static void repack(const int8_t *w, int64_t o, int n, int64_t K, __m256i *wt, __
         for (int r = 0; r < R; r++) store8(acc[r], scales, bias, y + r * N, o, n);                 \
     }
 
-#if UNSIGNED_INPUTS
-static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-#else
-static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { (void)u, (void)s; return acc; } /* not taken */
-#endif
-
 MANY(1) MANY(2) MANY(3) MANY(4) MANY(5) MANY(6) MANY(7) MANY(8)
 
 /* vectors of repacked weights a thread holds: 8 a block, and the extra ones */

@@ -55,6 +55,14 @@ static inline void store8(__m256 acc, const float *scales, const float *bias, fl
     for (int j = 0; j < n; j++) y[o + j] = lanes[j] * (scales ? scales[o + j] : 1.0f) + (bias ? bias[o + j] : 0.0f);
 }
 
+/* acc + the 4-byte dot products of unsigned u and signed s in each 32-bit lane, by VNNI's
+ * vpdpbusd; without VNNI a stand-in that callers never reach (they test for VNNI first) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { (void)u, (void)s; return acc; }
+#endif
+
 /* With AVX512-VNNI's 32 vector registers a pass over a group's repacked weights takes 8 rows
  * (8 independent chains of dot products in flight), with AVX2's 16 it takes 4. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)

@@ -236,9 +236,11 @@ def test_a8_rows_equal_the_rounded_activations_times_the_dequantized_weight_on_e
         torch.set_num_threads(before)
     # 2 a8 calls each: every row count (129 too, past the weight-only kernels' limit); 1 weight-only up to it
     assert calls == [(50, threads)] * (2 * len(ROWS) + len(ROWS) - 1)
-    x = torch.randn(3, k)
-    x[1, 40], x[2, 70] = float("inf"), float("nan")
-    assert q(x)[0].isfinite().all() and q(x)[1:].isnan().all()  # as in the dense product: no garbage, no crash
+    for rows in (3, 9):  # the few-row bodies; the repacked path
+        x = torch.randn(rows, k)
+        x[1, 40], x[2, 70] = float("inf"), float("nan")
+        y = q(x)  # as in the dense product: those rows NaN, the others untouched; no garbage, no crash
+        assert y[1:3].isnan().all() and y[[0, *range(3, rows)]].isfinite().all()
     monkeypatch.setattr(QUANTIZE, f"_{scheme.replace('-', '_')}_matmul", lambda: None)  # not built: torch, the same
     x = torch.randn(2, k)
     torch.testing.assert_close(q(x), F.linear(round_activations(x), q.dequantized(torch.float32), q.bias),

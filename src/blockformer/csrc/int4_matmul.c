@@ -97,12 +97,72 @@ static void span(const float *x, const float *sx, const uint8_t *codes, const fl
     EACH_BLOCK(rows, o0, o1, x + r0 * K, sx + r0 * (K / G), codes, scales, zeros, bias, y + r0 * N, c0, c1, K, G, N)
 }
 
-/* x: rows of K contiguous floats (the caller takes many rows as a dense matmul); the N output
+#if defined(__AVX2__) && defined(__FMA__)
+/* Many rows (MANY_ROWS or more) go through panels of the dequantized weights (rows.h): each
+ * weight q * scale + (zero - 8 scale), within a rounding of (q - 8) * scale + zero, which
+ * generate/quantize.py's dequantize_int4 computes. MANY_ROWS: from where the panels were the
+ * faster on GPT-2 small's weights, natively and built for AVX2 (bench_kernel_ab.py; at 5 rows
+ * 0.9-1.1x, at 8 rows 1.0x, at 16 1.26-1.3x). */
+#define MANY_ROWS 8
+
+/* the panel of the n <= PANEL channels from o (zeros past n): a run of 16 inputs of 8 channels
+ * at a time, its 8 code bytes transposed, then each nibble widened and dequantized as
+ * q * scale + (zero - 8 scale), in one FMA */
+static void dequantize_panel(const uint8_t *codes, const float *scales, const float *zeros, int64_t o, int n,
+                             int64_t K, int64_t G, float *panel) {
+    const int64_t groups = K / G;
+    for (int h = 0; h < PANEL; h += 8)
+        for (int64_t g = 0; g < groups; g++) {
+            float s[8], z[8];
+            for (int j = 0; j < 8; j++) {
+                s[j] = h + j < n ? scales[(o + h + j) * groups + g] : 0.0f;
+                z[j] = h + j < n ? zeros[(o + h + j) * groups + g] - 8.0f * s[j] : 0.0f;
+            }
+            const __m256 scale = _mm256_loadu_ps(s), offset = _mm256_loadu_ps(z);
+            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+                __m128i pairs[4];
+                transpose8_bytes(codes + (o + h) * (K / 2) + k / 2, K / 2, n - h, pairs);
+                for (int t = 0; t < 8; t++) {
+                    const __m128i bytes = t % 2 ? _mm_unpackhi_epi64(pairs[t / 2], pairs[t / 2]) : pairs[t / 2];
+                    const __m256i v = _mm256_cvtepu8_epi32(bytes);
+                    const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+                    const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+                    _mm256_store_ps(panel + (k + t) * PANEL + h, _mm256_fmadd_ps(low, scale, offset));
+                    _mm256_store_ps(panel + (k + 8 + t) * PANEL + h, _mm256_fmadd_ps(high, scale, offset));
+                }
+            }
+        }
+}
+
+static void many_span(const float *x, const uint8_t *codes, const float *scales, const float *zeros,
+                      const float *bias, float *y, int64_t rows, int64_t o0, int64_t o1, int64_t K, int64_t G,
+                      int64_t N, float *panel) {
+    for (int64_t o = o0; o < o1; o += PANEL) {
+        const int n = o1 - o < PANEL ? (int)(o1 - o) : PANEL;
+        dequantize_panel(codes, scales, zeros, o, n, K, G, panel);
+        const char *ahead = o + PANEL < o1 ? (const char *)(codes + (o + PANEL) * (K / 2)) : NULL;
+        panel_product(panel, x, rows, K, NULL, bias, y, N, o, n, ahead, PANEL / 2);
+    }
+}
+#endif
+
+/* x: rows of K contiguous floats; the N output
  * channels split into `threads` spans, one per thread of torch's OpenMP runtime. sx: scratch
  * of rows * K / G floats for the group sums. */
 void int4_matmul_f32(const float *x, const uint8_t *codes, const float *scales, const float *zeros,
                      const float *bias, float *y, float *sx, int64_t rows, int64_t K, int64_t G, int64_t N,
                      int64_t threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    float *scratch = rows >= MANY_ROWS ? panels(threads, K) : NULL; /* NULL: the few-row bodies do it all */
+    if (scratch) {
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+        for (int64_t t = 0; t < threads; t++)
+            many_span(x, codes, scales, zeros, bias, y, rows, N * t / threads, N * (t + 1) / threads, K, G, N,
+                      scratch + t * PANEL * K);
+        free(scratch);
+        return;
+    }
+#endif
     group_sums(x, sx, rows, K, G);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t t = 0; t < threads; t++)

@@ -9,6 +9,7 @@
 #ifndef BLOCKFORMER_ROWS_H
 #define BLOCKFORMER_ROWS_H
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -71,21 +72,104 @@ static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { (void)u, (void
 #define TILE 4
 #endif
 
-/* For each tile of at most TILE rows from r0, call many_n(...) with n its rows (the arguments
- * may use r0); many_1 .. many_8 are defined, many_5 .. many_8 reached only where TILE is 8. */
-#define EACH_TILE(rows, ...)                                                        \
-    for (int64_t r0 = 0; r0 < (rows); r0 += TILE) {                                 \
-        switch ((rows) - r0 < TILE ? (rows) - r0 : TILE) {                          \
-            case 1: many_1(__VA_ARGS__); break;                                     \
-            case 2: many_2(__VA_ARGS__); break;                                     \
-            case 3: many_3(__VA_ARGS__); break;                                     \
-            case 4: many_4(__VA_ARGS__); break;                                     \
-            case 5: many_5(__VA_ARGS__); break;                                     \
-            case 6: many_6(__VA_ARGS__); break;                                     \
-            case 7: many_7(__VA_ARGS__); break;                                     \
-            default: many_8(__VA_ARGS__); break;                                    \
+/* For each tile of at most `tile` rows from r0, call fn_n(...) with n its rows (the arguments
+ * may use r0); fn_1 .. fn_8 are defined, fn_5 .. fn_8 reached only where the tile is 8. */
+#define EACH_TILE_OF(tile, fn, rows, ...)                                           \
+    for (int64_t r0 = 0; r0 < (rows); r0 += (tile)) {                               \
+        switch ((rows) - r0 < (tile) ? (rows) - r0 : (tile)) {                      \
+            case 1: fn##_1(__VA_ARGS__); break;                                     \
+            case 2: fn##_2(__VA_ARGS__); break;                                     \
+            case 3: fn##_3(__VA_ARGS__); break;                                     \
+            case 4: fn##_4(__VA_ARGS__); break;                                     \
+            case 5: fn##_5(__VA_ARGS__); break;                                     \
+            case 6: fn##_6(__VA_ARGS__); break;                                     \
+            case 7: fn##_7(__VA_ARGS__); break;                                     \
+            default: fn##_8(__VA_ARGS__); break;                                    \
         }                                                                           \
     }
+#define EACH_TILE(rows, ...) EACH_TILE_OF(TILE, many, rows, __VA_ARGS__)
+
+/* The weight-only kernels' many-row path (int8_matmul.c, int4_matmul.c). Their few-row bodies
+ * take one output channel at a time: every block of 4 rows widens each weight to a float
+ * again, and every channel's row ends in a horizontal sum. Here a thread first widens PANEL
+ * channels' weights to floats once, input by input (panel[k * PANEL + j] is W[o + j, k]), into
+ * its own scratch, which stays in the caches; each tile of rows then runs an fp32 product
+ * against it, a row's input broadcast against 2 vectors of 8 channels, one FMA per 8 products
+ * and 2 x tile independent sums, as the inner kernel of an fp32 GEMM does. While the first
+ * tile runs, it prefetches the next panel's weights, `ahead_per_k` bytes an input. */
+#define PANEL 16
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+#define PANEL_TILE 8 /* 16 sums, 2 weight vectors and a broadcast in AVX-512's 32 vector registers */
+#else
+#define PANEL_TILE 4 /* 8 + 2 + 1 of AVX2's 16 */
+#endif
+
+/* R rows of x against the n <= PANEL real channels of a panel, into y[r, o + j] (times scales
+ * where given) + bias. The sums are named variables, not arrays: GCC kept arrays of them in
+ * memory too and stored each one at every input. */
+#define EACH_OF_8(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7)
+static inline __attribute__((always_inline)) void panel_tile(int R, const float *panel, const float *x, int64_t K,
+                                                             const float *scales, const float *bias, float *y,
+                                                             int64_t N, int64_t o, int n, const char *ahead,
+                                                             int64_t ahead_per_k) {
+#define PANEL_SUMS(r) __m256 a##r = _mm256_setzero_ps(), b##r = _mm256_setzero_ps();
+    EACH_OF_8(PANEL_SUMS)
+    for (int64_t k = 0; k < K; k++) {
+        if (ahead && (k * ahead_per_k) % 64 < ahead_per_k) __builtin_prefetch(ahead + k * ahead_per_k, 0, 3);
+        const __m256 w0 = _mm256_load_ps(panel + k * PANEL), w1 = _mm256_load_ps(panel + k * PANEL + 8);
+#define PANEL_FMA(r)                                                                               \
+    if (R > r) {                                                                                   \
+        const __m256 xr = _mm256_broadcast_ss(x + r * K + k);                                      \
+        a##r = _mm256_fmadd_ps(xr, w0, a##r);                                                      \
+        b##r = _mm256_fmadd_ps(xr, w1, b##r);                                                      \
+    }
+        EACH_OF_8(PANEL_FMA)
+    }
+    float out[8][PANEL];
+#define PANEL_OUT(r)                                                                               \
+    if (R > r) _mm256_storeu_ps(out[r], a##r), _mm256_storeu_ps(out[r] + 8, b##r);
+    EACH_OF_8(PANEL_OUT)
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < n; j++)
+            y[r * N + o + j] = out[r][j] * (scales ? scales[o + j] : 1.0f) + (bias ? bias[o + j] : 0.0f);
+}
+#define PANEL_ROWS(R)                                                                              \
+    static void panel_##R(const float *panel, const float *x, int64_t K, const float *scales,      \
+                          const float *bias, float *y, int64_t N, int64_t o, int n, const char *ahead, \
+                          int64_t ahead_per_k) {                                                   \
+        panel_tile(R, panel, x, K, scales, bias, y, N, o, n, ahead, ahead_per_k);                  \
+    }
+PANEL_ROWS(1) PANEL_ROWS(2) PANEL_ROWS(3) PANEL_ROWS(4) PANEL_ROWS(5) PANEL_ROWS(6) PANEL_ROWS(7) PANEL_ROWS(8)
+
+/* every one of x's rows against a panel (panel_R's arguments) */
+static inline void panel_product(const float *panel, const float *x, int64_t rows, int64_t K, const float *scales,
+                                 const float *bias, float *y, int64_t N, int64_t o, int n, const char *ahead,
+                                 int64_t ahead_per_k) {
+    EACH_TILE_OF(PANEL_TILE, panel, rows, panel, x + r0 * K, K, scales, bias, y + r0 * N, N, o, n,
+                 r0 == 0 ? ahead : NULL, ahead_per_k)
+}
+
+/* Bytes t of 8 rows (row j at p + j * stride; only rows j < n are read, the rest are zeros), as
+ * one 8 x 8 byte transpose: pairs[i] holds bytes 2i of the rows in its low 8 bytes, 2i + 1 in
+ * its high ones. A third of the shuffles of widening first and transposing 32-bit words. */
+static inline void transpose8_bytes(const uint8_t *p, int64_t stride, int n, __m128i pairs[4]) {
+    __m128i r[8], a[4], b[4];
+    for (int j = 0; j < 8; j++) r[j] = j < n ? _mm_loadl_epi64((const __m128i *)(p + j * stride)) : _mm_setzero_si128();
+    for (int i = 0; i < 4; i++) a[i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+    for (int i = 0; i < 2; i++) {
+        b[2 * i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
+        b[2 * i + 1] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
+    }
+    pairs[0] = _mm_unpacklo_epi32(b[0], b[2]);
+    pairs[1] = _mm_unpackhi_epi32(b[0], b[2]);
+    pairs[2] = _mm_unpacklo_epi32(b[1], b[3]);
+    pairs[3] = _mm_unpackhi_epi32(b[1], b[3]);
+}
+
+/* each thread's panel: PANEL x K floats, aligned for _mm256_load_ps, or NULL where it cannot be had */
+static inline float *panels(int64_t threads, int64_t K) {
+    return aligned_alloc(32, (size_t)(threads * PANEL * K) * sizeof(float));
+}
 #endif
 
 /* Software prefetch: as a kernel starts a row of weights it asks for the same number of bytes

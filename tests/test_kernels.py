@@ -201,15 +201,17 @@ def test_which_cpus_take_the_c_kernels_for_quantized_products(monkeypatch, featu
     monkeypatch.setattr(kernels, "INT8_BF16_IN_C", kernels.bf16_rows_in_c_kernels())  # as at import
     for bits in (8, 4):
         assert kernels.native_quantized_matmul(FP32, 1, bits)
-        assert kernels.native_quantized_matmul(FP32, kernels.NATIVE_QUANTIZED_ROWS, bits)
-        assert not kernels.native_quantized_matmul(FP32, kernels.NATIVE_QUANTIZED_ROWS + 1, bits)  # the dense path
+        assert kernels.native_quantized_matmul(FP32, 4096, bits)  # the panels beat the dense path at any count
         assert not kernels.native_quantized_matmul(torch.float16, 1, bits)
     assert kernels.native_quantized_matmul(BF16, 4, 8) is bf16
     assert not kernels.native_quantized_matmul(BF16, 4, 4)  # torch's bf16 int4 kernel was the faster
-    for bits in (8, 4):  # past torch's few rows: the C kernel, not a dense path that dequantizes every weight
+    for bits, limit in ((8, kernels.BF16_INT8_NATIVE_ROWS), (4, kernels.NATIVE_QUANTIZED_ROWS)):
+        # past torch's few rows: the C kernel, not a dense path that dequantizes every weight; past the
+        # limit a dense bf16 matmul was the faster
         assert kernels.native_quantized_matmul(BF16, kernels.TORCH_PACKED_MAX_ROWS + 1, bits)
-        assert kernels.native_quantized_matmul(BF16, kernels.NATIVE_QUANTIZED_ROWS, bits)
-        assert not kernels.native_quantized_matmul(BF16, kernels.NATIVE_QUANTIZED_ROWS + 1, bits)
+        assert kernels.native_quantized_matmul(BF16, limit, bits)
+        assert not kernels.native_quantized_matmul(BF16, limit + 1, bits)
+    assert kernels.BF16_INT8_NATIVE_ROWS < kernels.NATIVE_QUANTIZED_ROWS  # int8 hands over sooner
 
 
 def test_can_pack_follows_the_choice(monkeypatch):

@@ -97,7 +97,7 @@ def count_kernel_calls(monkeypatch) -> list[tuple[int, int]]:
     return calls
 
 
-ROWS = [1, 2, 3, 4, 7, 9, 17, NATIVE_QUANTIZED_ROWS + 1]  # 5 (or 6, 8) and more: the a8 repacked paths
+ROWS = [1, 2, 3, 4, 7, 9, 17, NATIVE_QUANTIZED_ROWS + 1]  # 5 (or 6, 8) and more: the repacked paths and panels
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -112,7 +112,7 @@ def test_decode_rows_in_fp32_go_through_the_c_kernels_and_equal_the_dequantized_
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in ROWS:  # 1 to 4 rows, then blocks of 4 and a remainder, then past the kernel's limit
+        for rows in ROWS:  # 1 to 4 rows, then blocks of 4 and a remainder, then panels of 16 channels
             x = torch.randn(rows, q.in_features)
             exact = x @ q.dequantized(torch.float32).T + q.bias
             torch.testing.assert_close(q(x), exact, atol=tol, rtol=tol)
@@ -120,8 +120,8 @@ def test_decode_rows_in_fp32_go_through_the_c_kernels_and_equal_the_dequantized_
             torch.testing.assert_close(q(x[:, None]), exact[:, None], atol=tol, rtol=tol)  # (batch, 1, k), as decoding
     finally:
         torch.set_num_threads(before)
-    # every call up to the limit took the C kernel, on each thread; past it, the dense path
-    assert calls == [(q.out_features, threads)] * 3 * (len(ROWS) - 1)
+    # every call took the C kernel, on each thread, however many rows: fp32 rows have no dense path
+    assert calls == [(q.out_features, threads)] * 3 * len(ROWS)
 
 
 @pytest.mark.parametrize("in_c", [True, False])
@@ -134,15 +134,16 @@ def test_bf16_int8_decode_rows_take_the_c_kernel_in_fp32_on_a_cpu_without_amx(la
     calls = count_kernel_calls(monkeypatch)
     torch.manual_seed(0)
     q = layer()
-    for rows in (1, 3, 6, NATIVE_QUANTIZED_ROWS + 1):
+    for rows in (1, 3, 6, 64, NATIVE_QUANTIZED_ROWS + 1):
         x = torch.randn(rows, q.in_features, dtype=torch.bfloat16)
         y = q(x)
         exact = x.float() @ q.dequantized(torch.float32).T + q.bias.float()
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.float(), exact, atol=0.02, rtol=0.01)  # a bf16 rounding of the output
     # up to KERNEL_MAX_ROWS torch's kernel where measured the faster, past it the C kernel (not the dense
-    # path, which dequantizes every weight each call), past NATIVE_QUANTIZED_ROWS the dense path
-    assert len(calls) == (3 if in_c and bits == 8 else 1)  # 1, 3 and 6 rows; or 6 alone
+    # path, which dequantizes every weight each call), past BF16_INT8_NATIVE_ROWS (int8: 64 rows) or
+    # NATIVE_QUANTIZED_ROWS (int4) a dense bf16 matmul
+    assert len(calls) == ((3 if in_c else 1) if bits == 8 else 2)  # int8: 1, 3, 6 rows, or 6; int4: 6 and 64
 
 
 @pytest.mark.parametrize("cap,flags", [("default", []), ("avx2", ["-mavx2", "-mfma"])])  # plain C; intrinsics
@@ -234,8 +235,8 @@ def test_a8_rows_equal_the_rounded_activations_times_the_dequantized_weight_on_e
             assert 1e-5 < gap < 0.02, gap
     finally:
         torch.set_num_threads(before)
-    # 2 a8 calls each: every row count (129 too, past the weight-only kernels' limit); 1 weight-only up to it
-    assert calls == [(50, threads)] * (2 * len(ROWS) + len(ROWS) - 1)
+    # 2 a8 calls and 1 weight-only at every row count
+    assert calls == [(50, threads)] * 3 * len(ROWS)
     for rows in (3, 9):  # the few-row bodies; the repacked path
         x = torch.randn(rows, k)
         x[1, 40], x[2, 70] = float("inf"), float("nan")

@@ -112,22 +112,27 @@ def paged_decode_kernel(dtype: torch.dtype, device: torch.device) -> bool:
 
 # --- weight-only int8/int4 decoding (generate/quantize.py) ------------------------------
 
-# fp32 activations go through blockformer's C kernels (csrc/int8_matmul.c, csrc/int4_matmul.c) up to
-# NATIVE_QUANTIZED_ROWS rows: torch's int8 and int4 kernels are slower than the fp32 model with fp32
-# activations, and the dense path dequantizes every weight per call. On an AVX2-only EPYC, GPT-2-small
-# decoding ran at 2.6-3.0x (int8) and 2.4-2.9x (int4) Hugging Face's fp32 (BENCHMARKS.md "Decode speed on an
-# AVX2-only CPU"); at 256 rows the dense path overtook the kernel on a 768x3072 weight (13 ms against 17 int8).
-# bf16 activations, widened to fp32 for the product, take the int8 kernel too on CPUs without AMX: on an
-# AVX512-BF16 EPYC, GPT-2 small decoded with int8 weights at 86-105 tok/s compiled against 70-72 for
-# torch's bf16 kernel, alternated in one hour; int4 went the other way (62-94 against 91-120), so bf16 int4
-# keeps torch's kernel, as do AMX CPUs, where neither was measured (BENCHMARKS.md "Decoding on an
-# AVX512-BF16 EPYC").
+# fp32 activations go through blockformer's C kernels (csrc/int8_matmul.c, csrc/int4_matmul.c) at any
+# number of rows: torch's int8 and int4 kernels are slower than the fp32 model with fp32 activations, and
+# the dense path dequantizes every weight per call. On an AVX2-only EPYC, GPT-2-small decoding ran at
+# 2.6-3.0x (int8) and 2.4-2.9x (int4) Hugging Face's fp32 (BENCHMARKS.md "Decode speed on an AVX2-only
+# CPU"). From 5-8 rows the kernels widen a panel of 16 channels' weights to floats once for all the rows
+# (csrc/rows.h): with it they ran 1.06-1.4x faster than the dense path on GPT-2 small's weights at 128 to
+# 2048 fp32 rows on the AVX512-BF16 EPYC, and 1.06-1.97x capped at AVX2 (BENCHMARKS.md "Many rows through
+# the weight-only kernels"). bf16 activations, widened to fp32 for the product, take the int8 kernel too on
+# CPUs without AMX: on an AVX512-BF16 EPYC, GPT-2 small decoded with int8 weights at 86-105 tok/s
+# compiled against 70-72 for torch's bf16 kernel, alternated in one hour; int4 went the other way (62-94
+# against 91-120), so bf16 int4 keeps torch's kernel, as do AMX CPUs, where neither was measured
+# (BENCHMARKS.md "Decoding on an AVX512-BF16 EPYC").
+# bf16 rows past NATIVE_QUANTIZED_ROWS (int4) or BF16_INT8_NATIVE_ROWS (int8) take the dense path, a bf16
+# matmul on the CPUs that pick bf16: on the AVX512-BF16 EPYC it overtook the int8 kernel between 32 and 64
+# rows (0.72x at 64, 0.58x at 128) and the int4 one past 128 (1.17x at 128, 0.58x at 512).
 NATIVE_QUANTIZED_ROWS = 128
+BF16_INT8_NATIVE_ROWS = 32
 # torch's packed bf16 int8/int4 CPU kernels beat a dense matmul only for this many rows. Past them, bf16
 # rows widen to fp32 for the C kernels rather than take the dense path, which dequantizes the whole
 # weight every call: a served GPT-2 small's int4 layers at 16 rows ran 4.6-4.7x faster that way on the
-# AVX512-BF16 EPYC (BENCHMARKS.md "int8 weights against int8 activations"; the crossover at 128 rows was
-# measured with fp32 rows, not on an AMX CPU).
+# AVX512-BF16 EPYC (BENCHMARKS.md "int8 weights against int8 activations").
 TORCH_PACKED_MAX_ROWS = 4
 
 
@@ -142,12 +147,13 @@ INT8_BF16_IN_C = bf16_rows_in_c_kernels()
 
 def native_quantized_matmul(dtype: torch.dtype, rows: int, bits: int) -> bool:
     """Whether a ``bits``-bit quantized layer's product of ``rows`` rows takes blockformer's C kernel:
-    fp32 rows; bf16 rows past the few of torch's packed kernels, and int8 ones on CPUs without AMX."""
-    if rows > NATIVE_QUANTIZED_ROWS:
-        return False
+    fp32 rows, any number; bf16 rows up to the limits above, past the few of torch's packed kernels,
+    and int8 ones of fewer on CPUs without AMX."""
     if dtype == torch.float32:
         return True
-    return dtype == torch.bfloat16 and (rows > TORCH_PACKED_MAX_ROWS or (bits == 8 and INT8_BF16_IN_C))
+    if dtype != torch.bfloat16 or rows > (BF16_INT8_NATIVE_ROWS if bits == 8 else NATIVE_QUANTIZED_ROWS):
+        return False
+    return rows > TORCH_PACKED_MAX_ROWS or (bits == 8 and INT8_BF16_IN_C)
 
 
 def a8_kernel_rows(dtype: torch.dtype, rows: int) -> bool:
@@ -155,7 +161,7 @@ def a8_kernel_rows(dtype: torch.dtype, rows: int) -> bool:
     ``RoundedActivations``) rather than the rounded rows times the dequantized weight. Any number in
     fp32: with their many-row path (8 channels to a vector) the kernels ran 1.4-10x faster than that
     dense product at 128 to 2048 rows on the AVX512-BF16 EPYC, native and capped at AVX2, and 1.1-6x
-    against it in bf16 (``bench_a8_rows.py``, BENCHMARKS.md "Many rows through the a8 kernels"). So
+    against it in bf16 (``bench_quantized_rows.py``, BENCHMARKS.md "Many rows through the a8 kernels"). So
     bf16 rows, widened, go too where the int8 rule sends them to C (no AMX); on AMX CPUs, where a bf16
     dense product was not measured against them, only up to NATIVE_QUANTIZED_ROWS."""
     return dtype == torch.float32 or INT8_BF16_IN_C or rows <= NATIVE_QUANTIZED_ROWS

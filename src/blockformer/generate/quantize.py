@@ -48,14 +48,12 @@ KERNEL_MAX_ROWS = kernels.TORCH_PACKED_MAX_ROWS  # torch's packed CPU kernels (b
 
 class QuantizedLinear(nn.Module):
     """What the int8 and int4 layers share: ``y = x W^T + b`` computed in the activation's
-    dtype (the autocast dtype under autocast). On the CPU, fp32 products of up to
-    ``kernels.NATIVE_QUANTIZED_ROWS`` rows (decode steps, short prompts) go through
-    blockformer's C kernels, and so do bf16 ones (widened) past ``KERNEL_MAX_ROWS`` rows and, where
-    ``kernels.native_quantized_matmul`` says so, int8 ones of fewer; other bf16 ones of at most
-    ``KERNEL_MAX_ROWS`` rows go through PyTorch's packed low-bit kernels; both read only the
-    quantized bytes. Anything larger (a
-    long prompt, a beam of sentences, evaluation) is faster as the dequantized weight in one
-    dense matmul."""
+    dtype (the autocast dtype under autocast). On the CPU, fp32 products of any number of rows
+    (decode steps, prompts, a server's batch) go through blockformer's C kernels, and so do bf16
+    ones (widened) past ``KERNEL_MAX_ROWS`` rows up to ``kernels.native_quantized_matmul``'s limit
+    and, where it says so, int8 ones of fewer; other bf16 ones of at most ``KERNEL_MAX_ROWS`` rows go
+    through PyTorch's packed low-bit kernels; both read only the quantized bytes. More bf16 rows
+    (a long prompt, evaluation) are faster as the dequantized weight in one dense bf16 matmul."""
 
     in_features: int
     out_features: int
@@ -159,7 +157,7 @@ def _int8_a8_matmul():
 
 
 # The C kernels as functions of tensors, and as custom ops (``native.matmul_op``) so that a
-# compiled decode step calls them too. fp32 rows, up to kernels.NATIVE_QUANTIZED_ROWS; output channels split
+# compiled decode step calls them too. fp32 rows, any number; output channels split
 # over torch's threads inside the kernel.
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:

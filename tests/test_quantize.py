@@ -102,6 +102,7 @@ ROWS = [1, 2, 3, 4, 7, 9, 17, NATIVE_QUANTIZED_ROWS + 1]  # 5 (or 6, 8) and more
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layer,tol", [(lambda: Int8Linear(nn.Linear(200, 77)), 1e-5),  # widths no vector divides
+                                       (lambda: Int8Linear(nn.Linear(208, 40)), 1e-5),  # 1 row: 32s, then a 16
                                        (lambda: Int4Linear(nn.Linear(192, 50), group_size=64), 1e-4)])  # 3 groups
 def test_decode_rows_in_fp32_go_through_the_c_kernels_and_equal_the_dequantized_product(layer, tol, threads,
                                                                                          monkeypatch):

@@ -1,5 +1,6 @@
 """Int8 weight-only quantization for decoding: error bounds, and the same greedy tokens."""
 
+import contextlib
 import importlib
 import platform
 
@@ -269,17 +270,29 @@ def test_bf16_rows_of_an_a8_layer_take_its_c_kernel_up_to_its_limit(scheme, in_c
     assert calls == [(50, native.pieces(50))] * (4 if in_c else 3)  # 1, 6, 64 rows; 129 where no AMX
 
 
-@pytest.mark.parametrize("cap", [None, "avx2"])  # the build for this CPU (VNNI where it has it); maddubs's 16 bits
-def test_int8_a8_products_at_full_scale_do_not_saturate(cap, monkeypatch):
-    """Every weight and input at +-127 steps: each pair of byte products sums to 2 x 127 x 127,
-    just inside AVX2's 16-bit maddubs, and a block of 32 to 516,128 in 32 bits."""
+@contextlib.contextmanager
+def kernels_built_for(cap: str | None, monkeypatch, *builds):
+    """The kernels of ``builds`` built for ``cap`` (None: this CPU) inside, for this CPU again after."""
     if cap and platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the instruction-set flags are x86's")
     if cap:
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
-    native.load.cache_clear(), QUANTIZE._int8_a8_matmul.cache_clear()
+    for build in (native.load, *builds):
+        build.cache_clear()
     try:
         assert not cap or native.arch_flags() == ["-mavx2", "-mfma"]
+        yield
+    finally:
+        monkeypatch.undo()
+        for build in (native.load, *builds):
+            build.cache_clear()
+
+
+@pytest.mark.parametrize("cap", [None, "avx2"])  # the build for this CPU (VNNI where it has it); maddubs's 16 bits
+def test_int8_a8_products_at_full_scale_do_not_saturate(cap, monkeypatch):
+    """Every weight and input at +-127 steps: each pair of byte products sums to 2 x 127 x 127,
+    just inside AVX2's 16-bit maddubs, and a block of 32 to 516,128 in 32 bits."""
+    with kernels_built_for(cap, monkeypatch, QUANTIZE._int8_a8_matmul):
         linear = nn.Linear(64, 8, bias=False)
         with torch.no_grad():
             linear.weight.copy_(torch.tensor([1.0, -1.0]).repeat(8, 32) * torch.arange(1, 9)[:, None])
@@ -289,21 +302,13 @@ def test_int8_a8_products_at_full_scale_do_not_saturate(cap, monkeypatch):
         for rows in (x, x.repeat(5, 1) * torch.tensor([1.0, -1.0]).repeat(5)[:, None]):  # and 10: the repacked path
             torch.testing.assert_close(QUANTIZE.int8_a8_matmul(rows, q.weight, q.scales), rows @ linear.weight.T,
                                        atol=1e-4, rtol=1e-5)
-    finally:
-        monkeypatch.undo()
-        native.load.cache_clear(), QUANTIZE._int8_a8_matmul.cache_clear()
 
 
 @pytest.mark.parametrize("cap", [None, "avx2"])
 def test_int4_a8_products_at_full_scale_do_not_overflow(cap, monkeypatch):
     """Codes at 15 (and 0) against inputs at +-127 steps: without VNNI the many-row path adds a
     block's 8 maddubs as int16, at most 16 x 15 x 127 = 30,480 a lane, before widening."""
-    if cap and platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip("the instruction-set flags are x86's")
-    if cap:
-        monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
-    native.load.cache_clear(), QUANTIZE._int4_a8_matmul.cache_clear()
-    try:
+    with kernels_built_for(cap, monkeypatch, QUANTIZE._int4_a8_matmul):
         q = torch.tensor([15, 0]).repeat_interleave(8)[:, None].expand(16, 128).to(torch.uint8)  # 8 channels each
         codes, scales, zeros = QUANTIZE.pack_int4(q), torch.full((16, 2), 0.01), torch.zeros(16, 2)
         dense = dequantize_int4(codes, scales, zeros, 64, torch.float32)
@@ -311,9 +316,6 @@ def test_int4_a8_products_at_full_scale_do_not_overflow(cap, monkeypatch):
         for rows in (x, x.repeat(5, 1)):  # 2 rows; 10, the many-row path
             torch.testing.assert_close(QUANTIZE.int4_a8_matmul(rows, codes, scales, zeros, 64), rows @ dense.T,
                                        atol=1e-4, rtol=1e-5)
-    finally:
-        monkeypatch.undo()
-        native.load.cache_clear(), QUANTIZE._int4_a8_matmul.cache_clear()
 
 
 def test_int8_a8_needs_whole_blocks_of_32_inputs():

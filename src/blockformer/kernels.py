@@ -117,8 +117,8 @@ def paged_decode_kernel(dtype: torch.dtype, device: torch.device) -> bool:
 # the dense path dequantizes every weight per call. On an AVX2-only EPYC, GPT-2-small decoding ran at
 # 2.6-3.0x (int8) and 2.4-2.9x (int4) Hugging Face's fp32 (BENCHMARKS.md "Decode speed on an AVX2-only
 # CPU"). From 5-8 rows the kernels widen a panel of 16 channels' weights to floats once for all the rows
-# (csrc/rows.h): with it they ran 1.06-1.4x faster than the dense path on GPT-2 small's weights at 128 to
-# 2048 fp32 rows on the AVX512-BF16 EPYC, and 1.06-1.97x capped at AVX2 (BENCHMARKS.md "Many rows through
+# (csrc/rows.h): with it they ran 1.07-3.5x faster than the dense path on GPT-2 small's weights at 128 to
+# 2048 fp32 rows on the AVX512-BF16 EPYC, and 1.06-3.3x capped at AVX2 (BENCHMARKS.md "Many rows through
 # the weight-only kernels"). bf16 activations, widened to fp32 for the product, take the int8 kernel too on
 # CPUs without AMX: on an AVX512-BF16 EPYC, GPT-2 small decoded with int8 weights at 86-105 tok/s
 # compiled against 70-72 for torch's bf16 kernel, alternated in one hour; int4 went the other way (62-94

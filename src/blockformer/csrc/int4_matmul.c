@@ -108,7 +108,7 @@ static void span(const float *x, const float *sx, const uint8_t *codes, const fl
  * weight q * scale + (zero - 8 scale), within a rounding of (q - 8) * scale + zero, which
  * generate/quantize.py's dequantize_int4 computes. MANY_ROWS: from where the panels were the
  * faster on GPT-2 small's weights, natively and built for AVX2 (bench_kernel_ab.py; at 5 rows
- * 0.9-1.1x, at 8 rows 1.0x, at 16 1.26-1.3x). */
+ * 0.9-1.1x, at 8 rows 0.99-1.04x, at 16 1.23-1.3x). */
 #define MANY_ROWS 8
 
 /* the panel of the n <= PANEL channels from o (zeros past n): a run of 16 inputs of 8 channels

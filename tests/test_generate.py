@@ -45,6 +45,35 @@ def test_cached_and_uncached_greedy_give_the_same_tokens(position, n_kv_heads):
     assert len({t for row in cached for t in row}) > 3  # not one repeated token
 
 
+def test_one_new_token_that_sees_every_cached_slot_attends_without_a_mask():
+    """Eager decoding at the end of an unpadded cache skips the all-True mask; a padded row,
+    a prompt of several tokens, or a token rewritten behind the end keeps it."""
+    model = make("rope").eval()
+    cache = model.new_cache(2, 16)
+    with torch.inference_mode():
+        model(torch.tensor([[5, 6, 7]] * 2), cache=cache, cache_pos=torch.arange(3))
+        assert not cache.sees_every_slot(torch.arange(3))  # the prompt's tokens see only their past
+        assert cache.sees_every_slot(torch.tensor([2]))
+        model(torch.tensor([[8], [8]]), positions=torch.tensor([[3], [3]]), cache=cache, cache_pos=torch.tensor([3]))
+        assert cache.sees_every_slot(torch.tensor([3]))
+        assert not cache.sees_every_slot(torch.tensor([1]))  # slots 2 and 3 lie after it
+
+        # A token rewritten at slot 1 (as after a rejected draft) must not see slots 2 and 3:
+        # its logits equal those of the same 2 tokens decoded from a fresh cache.
+        fresh = model.new_cache(2, 16)
+        model(torch.tensor([[5, 6]] * 2), cache=fresh, cache_pos=torch.arange(2))
+        step = torch.tensor([[9], [9]]), torch.tensor([[2], [2]])
+        want = model(step[0], positions=step[1], cache=fresh, cache_pos=torch.tensor([2]))
+        model(torch.tensor([[5, 6]] * 2), cache=cache, cache_pos=torch.arange(2))
+        got = model(step[0], positions=step[1], cache=cache, cache_pos=torch.tensor([2]))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+        padded = model.new_cache(2, 16)
+        model(torch.tensor([[0, 6, 7], [5, 6, 7]]), attention_mask=torch.tensor([[False, True, True], [True] * 3]),
+              positions=torch.tensor([[0, 0, 1], [0, 1, 2]]), cache=padded, cache_pos=torch.arange(3))
+        assert not padded.sees_every_slot(torch.tensor([2]))
+
+
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_only_each_rows_last_position_reaches_the_lm_head(use_cache):
     """The prompt's other positions need no logits: the head multiplies B rows a step, and the

@@ -71,3 +71,10 @@ def test_training_states_the_precision_auto_chose_and_keeps_auto_in_the_saved_co
     train(cfg, tmp_path / "run", log=lines.append)
     assert any("in fp32 (auto: no native bf16 on this CPU" in line for line in lines), lines
     assert 'precision = "auto"' in (tmp_path / "run" / "config.toml").read_text()
+
+
+def test_cast_skips_the_call_only_where_the_dtype_already_matches():
+    x = torch.randn(3, 4)
+    assert P.cast(x, torch.float32) is x
+    y = P.cast(x, torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, x.to(torch.bfloat16))

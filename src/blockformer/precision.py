@@ -24,6 +24,12 @@ from .hardware import cpu_has
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, without the call where ``x`` already is ``dtype``: even a no-op
+    ``to`` costs a dispatch (about 1 us), and an eager decode step makes a hundred of them."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def resolve_device(name: str, option: str = "train.device") -> torch.device:
     """``auto`` -> cuda when available, else cpu; ``cuda`` without a GPU is a usage error
     (naming ``option``, as the user spelled it)."""

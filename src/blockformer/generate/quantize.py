@@ -39,7 +39,7 @@ from torch import nn
 
 from .. import kernels, native
 from ..models.checks import check_model
-from ..precision import DTYPES
+from ..precision import DTYPES, cast
 from .linears import load_operators_for, swap_linears
 from .packed import pack_linears
 
@@ -71,7 +71,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        x = x.to(dtype)
+        x = cast(x, dtype)
         # Inductor cannot hand a freshly cast input to the packed kernels (torch 2.13), so under
         # torch.compile with autocast the dense path runs: store the model in bf16 instead.
         cast_in_graph = torch.compiler.is_compiling() and torch.is_autocast_enabled(device)
@@ -123,7 +123,7 @@ class Int8Linear(QuantizedLinear):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.native_quantized_matmul(x.dtype, self._rows(x), self.bits) and native.ready(_int8_matmul):
-            return native.call(int8_matmul, x.float(), self.weight, self.scales, self.bias).to(x.dtype)
+            return cast(native.call(int8_matmul, cast(x, torch.float32), self.weight, self.scales, self.bias), x.dtype)
         if self.in_features % 16:  # torch 2.13's AVX-512 bf16 kernel gives garbage or crashes (200, 216)
             return self.dense(x)
         return self._in_2d(lambda x2: self._plus_bias(torch.ops.aten._weight_int8pack_mm(
@@ -274,7 +274,8 @@ class Int8A8Linear(RoundedActivations, Int8Linear):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if native.ready(_int8_a8_matmul):
-            return native.call(int8_a8_matmul, x.float(), self.weight, self.scales, self.bias).to(x.dtype)
+            return cast(native.call(int8_a8_matmul, cast(x, torch.float32), self.weight, self.scales, self.bias),
+                        x.dtype)
         return self.dense(x)
 
     def extra_repr(self) -> str:
@@ -319,8 +320,9 @@ class Int4Linear(QuantizedLinear):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.native_quantized_matmul(x.dtype, self._rows(x), self.bits) and native.ready(_int4_matmul):
-            y = native.call(int4_matmul, x.float(), self.codes, self.scales, self.zeros, self.group_size, self.bias)
-            return y.to(x.dtype)
+            y = native.call(int4_matmul, cast(x, torch.float32), self.codes, self.scales, self.zeros, self.group_size,
+                            self.bias)
+            return cast(y, x.dtype)
         if not hasattr(self, "packed"):  # quantized off the CPU: no kernel layout to use
             return self.dense(x)
         return self._in_2d(lambda x2: self._plus_bias(torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -341,8 +343,9 @@ class Int4A8Linear(RoundedActivations, Int4Linear):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if native.ready(_int4_a8_matmul):
-            y = native.call(int4_a8_matmul, x.float(), self.codes, self.scales, self.zeros, self.group_size, self.bias)
-            return y.to(x.dtype)
+            y = native.call(int4_a8_matmul, cast(x, torch.float32), self.codes, self.scales, self.zeros,
+                            self.group_size, self.bias)
+            return cast(y, x.dtype)
         return self.dense(x)
 
     def extra_repr(self) -> str:

@@ -65,6 +65,8 @@ class Stack(nn.Module):
             if self.window:
                 _check_ring(cache, cache_pos, self.window)
             cache.record(cache_pos, positions, attention_mask)
+            if self.bias is None and not self.window and cache.sees_every_slot(cache_pos):
+                return AttnInputs(rope=rope, cache=cache, cache_pos=cache_pos, valid=attention_mask)  # no mask
             span = cache.span  # the slots attention reads
             k_pos, k_valid = cache.pos[:, :span], cache.valid[:, :span]
             causal = _written(cache_pos, span)

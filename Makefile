@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install demo finetune-demo digits test test-avx2 test-fast bench gpu-check clean
+.PHONY: install demo finetune-demo digits test test-avx2 test-fast bench bench-speed bench-cpu gpu-check clean
 
 # torch is pinned and installed first: the CPU wheel on this machine's disk. Letting pip
 # resolve a bare `torch` would download a multi-GB CUDA build.
@@ -71,6 +71,12 @@ bench-speed: install
 	$(PY) benchmarks/bench_decode.py --threads 2 --dtype bf16 --batch 16 --skip nocache int8-cache int8-compiled int4-cache int4-compiled --out benchmarks/results/decode-bf16-batch16.md
 	$(PY) benchmarks/bench_long.py --threads 2
 	$(PY) benchmarks/profile_step.py --threads 2
+
+# Issue 25's figures on the CPU at hand, one after another (about 45 minutes on 2 cores): run it
+# on each CPU kind, an AVX2-only one above all. The files go to benchmarks/results/cpu-<kind>/.
+bench-cpu: install
+	$(PY) -m pip install -q -e '.[bench]'
+	PY=$(PY) bash benchmarks/bench_cpu.sh
 
 # On a machine with a GPU: training, bf16, flash attention, NCCL and decoding checked on CUDA, the
 # figures in benchmarks/results/gpu-check.md (the suite runs the same script on the CPU).

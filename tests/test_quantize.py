@@ -1,6 +1,5 @@
 """Int8 weight-only quantization for decoding: error bounds, and the same greedy tokens."""
 
-import contextlib
 import importlib
 import platform
 
@@ -10,6 +9,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from blockformer import TransformerConfig, build_model, native
+from native_builds import kernels_built_for
 from blockformer.generate import generate
 from blockformer.kernels import NATIVE_QUANTIZED_ROWS
 from blockformer.generate.quantize import (KERNEL_MAX_ROWS, Int4A8Linear, Int4Linear, Int8A8Linear, Int8Linear,
@@ -268,24 +268,6 @@ def test_bf16_rows_of_an_a8_layer_take_its_c_kernel_up_to_its_limit(scheme, in_c
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.float(), exact, atol=0.02, rtol=0.01)  # a bf16 rounding of the output
     assert calls == [(50, native.pieces(50))] * (4 if in_c else 3)  # 1, 6, 64 rows; 129 where no AMX
-
-
-@contextlib.contextmanager
-def kernels_built_for(cap: str | None, monkeypatch, *builds):
-    """The kernels of ``builds`` built for ``cap`` (None: this CPU) inside, for this CPU again after."""
-    if cap and platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip("the instruction-set flags are x86's")
-    if cap:
-        monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
-    for build in (native.load, *builds):
-        build.cache_clear()
-    try:
-        assert not cap or native.arch_flags() == ["-mavx2", "-mfma"]
-        yield
-    finally:
-        monkeypatch.undo()
-        for build in (native.load, *builds):
-            build.cache_clear()
 
 
 @pytest.mark.parametrize("cap", [None, "avx2"])  # the build for this CPU (VNNI where it has it); maddubs's 16 bits

@@ -41,6 +41,21 @@ def unfused_attention(device: torch.device, dtype: torch.dtype, n_keys: int, dro
         dtype == torch.bfloat16 and n_keys <= CPU_BF16_UNFUSED_MAX_KEYS and UNFUSED_SHORT_BF16))
 
 
+# One new token per row that sees every cached slot (eager decoding on a CPU; nn/decode_attention.py)
+# attends through csrc/decode_attention.c rather than SDPA: with the cache out of the caches, as in a
+# step, 1.17-1.71x faster at 80 to 1024 slots on a 2-core Zen 4 EPYC, natively and capped at AVX2, and
+# 1-7% of a GPT-2-small step (BENCHMARKS.md "Decode attention from a cache that is not in the caches").
+DECODE_ATTENTION_KERNEL = True
+
+
+def decode_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether one query token per row (``q`` (B, H, 1, D)) over every slot of ``k``/``v`` takes that
+    kernel: fp32 on the CPU, inference, eager (a compiled step keeps SDPA, and its mask)."""
+    return (DECODE_ATTENTION_KERNEL and q.device.type == "cpu" and q.shape[2] == 1
+            and q.dtype == k.dtype == v.dtype == torch.float32 and k.stride(-1) == v.stride(-1) == 1
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+
+
 # --- the output head fused with the loss (nn/loss.py) ------------------------------------
 
 # Rows of logits the fused head and loss make at a time: 128 was faster than 64 and 256 (AVX512-BF16,

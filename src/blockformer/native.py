@@ -1,7 +1,8 @@
 """Small C kernels, built at first use with the machine's C compiler.
 
 Where no library ships a kernel for the CPU and this torch (decode attention that reads a
-paged pool in place; a weight-only int8 product at a decode step's few rows), blockformer
+paged pool in place, or a cache from memory; a weight-only int8 product at a decode step's few
+rows), blockformer
 carries its own, in plain C under ``csrc/``, vectorised by the compiler. Each is compiled
 once per source and CPU with ``$CC`` (else ``cc`` or ``gcc``), for the instruction set that
 ``ATEN_CPU_CAPABILITY`` leaves torch (so ``avx2`` gives an AVX2 build on any machine), into
@@ -13,7 +14,7 @@ rather than threads of their own (a Python thread pool cost 140 us a call). A co
 without OpenMP builds the same kernels single-threaded. Where no compiler works, ``load``
 warns once and returns None, and the caller takes its torch path: slower, never wrong.
 
-The decode products among them are also operators of torch's dispatcher, so a compiled step
+The decode products among them, and the cache's decode attention, are also operators of torch's dispatcher, so a compiled step
 can call them: ``matmul_op`` registers each Python function as one, and ``csrc/ops.cpp``
 defines the same products in C++ (``torch.ops.blockformer_c``), built against torch's headers
 by ``load_cpp_ops`` when a model is prepared for decoding (``make install`` builds it ahead),
@@ -105,7 +106,7 @@ def matmul_op(fn: Callable) -> None:
 CPP_OPS = False
 _CPP_KERNELS = (("f32_matmul", "f32_matmul_f32"), ("int8_matmul", "int8_matmul_f32"),
                 ("int4_matmul", "int4_matmul_f32"), ("int4_a8_matmul", "int4_a8_matmul_f32"),
-                ("int8_a8_matmul", "int8_a8_matmul_f32"))
+                ("int8_a8_matmul", "int8_a8_matmul_f32"), ("decode_attention", "decode_attention_f32"))
 
 
 @functools.cache
@@ -137,7 +138,7 @@ def load_cpp_ops() -> bool:
                      for k, (_, symbol) in zip(kernels, _CPP_KERNELS)]
         ctypes.CDLL(str(lib)).blockformer_c_set_kernels(*addresses)
         for name, _ in _CPP_KERNELS:
-            torch.library.register_fake(f"blockformer_c::{name}", _fake)
+            torch.library.register_fake(f"blockformer_c::{name}", _fake_attention if "attention" in name else _fake)
     except (OSError, RuntimeError, subprocess.SubprocessError, ImportError) as e:
         warnings.warn(f"ops.cpp: the C++ operators were not built ({e}); blockformer calls the C kernels from "
                       "Python instead (slower, same result)", RuntimeWarning, stacklevel=2)
@@ -148,6 +149,10 @@ def load_cpp_ops() -> bool:
 
 def _fake(x: torch.Tensor, w: torch.Tensor, *rest) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+def _fake_attention(q: torch.Tensor, *rest) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def ready(library: Callable) -> bool:

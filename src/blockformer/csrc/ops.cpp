@@ -1,14 +1,16 @@
-/* The decode products of csrc/ (f32_matmul, int8_matmul, int4_matmul, int4_a8_matmul, int8_a8_matmul) as C++
+/* The decode products of csrc/ (f32_matmul, int8_matmul, int4_matmul, int4_a8_matmul, int8_a8_matmul), and its
+ * decode attention (decode_attention), as C++
  * operators of torch's dispatcher, torch.ops.blockformer_c.*: an eager layer or a compiled step reaches the
  * C kernels without a Python function in between (about 6 us a call, 49 calls a GPT-2-small
- * token). Same schemas, arguments and results as the Python functions in generate/packed.py
- * and generate/quantize.py. The kernels are the libraries blockformer.native built; their
+ * token). Same schemas, arguments and results as the Python functions in generate/packed.py,
+ * generate/quantize.py and nn/decode_attention.py. The kernels are the libraries blockformer.native built; their
  * addresses are handed over once by blockformer_c_set_kernels, so this file links against
  * torch alone. Built by blockformer.native with the C++ compiler and torch's headers.
  */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -23,19 +25,24 @@ typedef void (*int4_fn)(const float *, const uint8_t *, const float *, const flo
                         int64_t, int64_t, int64_t, int64_t, int64_t);
 typedef void (*int8_a8_fn)(const float *, const int8_t *, const float *, const float *, float *, float *, int64_t,
                            int64_t, int64_t, int64_t);
+typedef void (*attention_fn)(const float *, const float *, const float *, float *, float *, int64_t, int64_t, int64_t,
+                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float);
 }
 
 static f32_fn f32_kernel;
 static int8_fn int8_kernel;
 static int4_fn int4_kernel, int4_a8_kernel;  // the same arguments; int4_a8's scratch holds the rounded rows
 static int8_a8_fn int8_a8_kernel;
+static attention_fn attention_kernel;
 
-extern "C" void blockformer_c_set_kernels(void *f32, void *int8, void *int4, void *int4_a8, void *int8_a8) {
+extern "C" void blockformer_c_set_kernels(void *f32, void *int8, void *int4, void *int4_a8, void *int8_a8,
+                                          void *attention) {
     f32_kernel = reinterpret_cast<f32_fn>(f32);
     int8_kernel = reinterpret_cast<int8_fn>(int8);
     int4_kernel = reinterpret_cast<int4_fn>(int4);
     int4_a8_kernel = reinterpret_cast<int4_fn>(int4_a8);
     int8_a8_kernel = reinterpret_cast<int8_a8_fn>(int8_a8);
+    attention_kernel = reinterpret_cast<attention_fn>(attention);
 }
 
 namespace {
@@ -125,6 +132,26 @@ at::Tensor int8_a8_matmul(const at::Tensor &x_, const at::Tensor &weight, const 
     return y;
 }
 
+/* one query token per row over every slot of k, v (nn/decode_attention.py says where it is used) */
+at::Tensor decode_attention(const at::Tensor &q_, const at::Tensor &k, const at::Tensor &v, double scale) {
+    TORCH_CHECK(attention_kernel, "blockformer_c: the kernels were not handed over");
+    TORCH_CHECK(q_.dim() == 4 && q_.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == q_.size(0) &&
+                    k.size(3) == q_.size(3) && q_.size(1) % k.size(1) == 0,
+                "decode_attention: expected q (B, H, 1, D) and k, v (B, H_kv, S, D), got ", q_.sizes(), " ", k.sizes(),
+                " ", v.sizes());
+    TORCH_CHECK(q_.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                    k.stride(3) == 1 && v.stride(3) == 1,
+                "decode_attention: expected fp32 tensors with each slot's values contiguous");
+    const at::Tensor q = q_.contiguous();
+    at::Tensor out = at::empty_like(q);
+    const int64_t B = q.size(0), H = q.size(1), S = k.size(2), threads = pieces(B * H);
+    at::Tensor scores = at::empty({threads * S}, q.options());
+    attention_kernel(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+                     scores.data_ptr<float>(), B, H, k.size(1), S, q.size(3), k.stride(0), k.stride(1), k.stride(2),
+                     v.stride(0), v.stride(1), v.stride(2), threads, static_cast<float>(scale));
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(blockformer_c, m) {
@@ -135,6 +162,7 @@ TORCH_LIBRARY(blockformer_c, m) {
     m.def("int4_a8_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group_size, "
           "Tensor? bias=None) -> Tensor");
     m.def("int8_a8_matmul(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor");
+    m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(blockformer_c, CPU, m) {
@@ -143,4 +171,5 @@ TORCH_LIBRARY_IMPL(blockformer_c, CPU, m) {
     m.impl("int4_matmul", &int4_matmul);
     m.impl("int4_a8_matmul", &int4_a8_matmul);
     m.impl("int8_a8_matmul", &int8_a8_matmul);
+    m.impl("decode_attention", &decode_attention);
 }

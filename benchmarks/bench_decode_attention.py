@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import add_shape_args, cpu_kind, gpt2_config
+from common import add_shape_args, cpu_kind, gpt2_config, report
 
 from blockformer import build_model, kernels
 from blockformer.generate import generate
@@ -111,10 +111,7 @@ def main() -> None:
         float_model = build_model(cfg, seed=0).eval()
         lines += ["", f"eager decode step, {args.layers} layers, batch 1, {args.tokens} new tokens, median of "
                   f"{args.rounds} alternated rounds:", "", *decode_step(args, float_model, cfg)]
-    print("\n".join(lines))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
+    report(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_shape_args, cpu_kind, gpt2_config
+from common import add_shape_args, cpu_kind, gpt2_config, report
 
 from blockformer import build_model
 from blockformer.generate import generate
@@ -66,10 +66,7 @@ def main() -> None:
         step, lin = statistics.median(steps), statistics.median(alone)
         lines.append(f"| {scheme} ({len(linears)} linears) | {step:.2f} | {lin:.2f} | {step - lin:.2f} | "
                      f"{(step - lin) / step:.0%} |")
-    print("\n".join(lines))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
+    report(lines, args.out)
 
 
 if __name__ == "__main__":

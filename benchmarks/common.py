@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -94,10 +95,10 @@ def device_and_precision(args) -> tuple[torch.device, str]:
     return device, resolve_precision(args.precision, device)
 
 
-def report(lines: list[str], out: str | None) -> None:
+def report(lines: list[str], out: str | Path | None) -> None:
     """Print a benchmark's markdown table (its lines), and write it to ``out`` where given."""
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     if out:
-        with open(out, "w") as f:
-            f.write(text)
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)

@@ -115,7 +115,7 @@ class KVCache:
     def _slots(self, cache_pos: torch.Tensor) -> torch.Tensor:
         """The slots of positions ``cache_pos``: the same numbers until a ring cache wraps,
         which the last ``record`` saw on the host where it counts there (one op less a layer)."""
-        return cache_pos if self.unwrapped and self._counts_on_host() else cache_pos % self.max_len
+        return cache_pos if self._counts_on_host() and self.unwrapped else cache_pos % self.max_len
 
     def update(
         self, layer: int, cache_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -20,7 +20,7 @@ def kernels_built_for(cap: str | None, monkeypatch, *builds):
     for build in (native.load, *builds):
         build.cache_clear()
     try:
-        assert cap != "avx2" or native.arch_flags() == ["-mavx2", "-mfma"]
+        assert cap != "avx2" or native.arch_flags() == ["-mavx2", "-mfma", "-mf16c"]
         assert cap != "default" or native.arch_flags() == []
         yield
     finally:

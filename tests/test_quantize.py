@@ -148,7 +148,7 @@ def test_bf16_int8_decode_rows_take_the_c_kernel_in_fp32_on_a_cpu_without_amx(la
     assert len(calls) == ((3 if in_c else 1) if bits == 8 else 2)  # int8: 1, 3, 6 rows, or 6; int4: 6 and 64
 
 
-@pytest.mark.parametrize("cap,flags", [("default", []), ("avx2", ["-mavx2", "-mfma"])])  # plain C; intrinsics
+@pytest.mark.parametrize("cap,flags", [("default", []), ("avx2", ["-mavx2", "-mfma", "-mf16c"])])  # plain C; intrinsics
 def test_each_build_of_the_c_kernels_equals_the_dequantized_product(cap, flags, monkeypatch):
     """The kernels as built for a CPU without AVX2 (the plain C bodies) and for one with it: each
     reads the int4 codes in pack_int4's order and the int8 weights row by row."""

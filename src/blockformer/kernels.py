@@ -50,9 +50,10 @@ DECODE_ATTENTION_KERNEL = True
 
 def decode_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether one query token per row (``q`` (B, H, 1, D)) over every slot of ``k``/``v`` takes that
-    kernel: fp32 on the CPU, inference, eager (a compiled step keeps SDPA, and its mask)."""
-    return (DECODE_ATTENTION_KERNEL and q.device.type == "cpu" and q.shape[2] == 1
-            and q.dtype == k.dtype == v.dtype == torch.float32 and k.stride(-1) == v.stride(-1) == 1
+    kernel: fp32 queries on the CPU, over a cache of fp32, bf16 or fp16, inference, eager (a compiled step
+    keeps SDPA, and its mask)."""
+    return (DECODE_ATTENTION_KERNEL and q.device.type == "cpu" and q.shape[2] == 1 and q.dtype == torch.float32
+            and k.dtype == v.dtype in (torch.float32, torch.bfloat16, torch.float16) and k.stride(-1) == v.stride(-1) == 1
             and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
 
 
@@ -121,8 +122,8 @@ PAGED_DECODE_KERNEL = True
 
 
 def paged_decode_kernel(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a server's decoding rows use that kernel: fp32 and bf16 pools on the CPU (it has no other)."""
-    return PAGED_DECODE_KERNEL and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    """Whether a server's decoding rows use that kernel: fp32, bf16 and fp16 pools on the CPU (it has no other)."""
+    return PAGED_DECODE_KERNEL and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 # --- weight-only int8/int4 decoding (generate/quantize.py) ------------------------------

@@ -4,109 +4,151 @@
  *
  * For rows b and query heads h, with G = H / Hkv query heads per key/value head (GQA):
  *     out[b, h] = sum_s p[s] v[b, h / G, s],  p = softmax_s(scale q[b, h] . k[b, h / G, s]),  s < S
- * k[b, j, s] starts at k + b * kb + j * kh + s * ks (in floats; each slot's D values contiguous),
- * and the same for v. At a decode step the keys and values come from memory: the weights streamed
- * in between have pushed them out of the caches. So each row of keys and then of values is read
- * once, in order, and prefetched AHEAD slots early; torch's SDPA drew 10-19 GB/s there on a 2-core
- * Zen 4 EPYC, this 20-24 (BENCHMARKS.md). Work is split over (row, head) pairs, one run per thread of
- * torch's OpenMP runtime, so a group's query heads share a thread and its keys stay in cache.
- * `scores` holds S floats per thread. AVX2 and FMA where D is a multiple of 32; plain C elsewhere.
+ * k[b, j, s] starts at k + b * kb + j * kh + s * ks (in values; each slot's D values contiguous),
+ * and the same for v. The cache holds fp32, bf16 or fp16 (`kv`: 0, 1, 2; a cache kept narrower than
+ * the model computes, KVCache's `dtype`): each value is widened to fp32 as it is read, so a narrow
+ * cache costs half the bytes and no copy. Queries, scores and outputs are fp32.
+ * At a decode step the keys and values come from memory: the weights streamed in between have
+ * pushed them out of the caches. So each row of keys and then of values is read once, in order,
+ * and prefetched AHEAD slots early; torch's SDPA drew 10-19 GB/s there on a 2-core Zen 4 EPYC, this
+ * 20-24 (BENCHMARKS.md). Work is split over (row, head) pairs, one run per thread of torch's OpenMP
+ * runtime, so a group's query heads share a thread and its keys stay in cache. `scores` holds S
+ * floats per thread. AVX2 and FMA where D is a multiple of 32 (F16C for fp16); plain C elsewhere.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+
+#include "half.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#define VECTOR 1
 #endif
 
 #ifndef AHEAD
-#define AHEAD 16 /* slots: 4 KB ahead for a head of 64 */
+#define AHEAD 16 /* slots: 4 KB ahead for an fp32 head of 64 */
 #endif
 
-static inline void prefetch_row(const float *row, int64_t D) {
-    for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(row + d, 0, 3);
+static inline void prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)row + i, 0, 3);
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+/* one value as fp32 */
+static inline float one_f32(const float *p) { return *p; }
+static inline float one_bf16(const uint16_t *p) { return bf16_to_float(*p); }
+static inline float one_f16(const uint16_t *p) { return f16_to_float(*p); }
+
+#ifdef VECTOR
+/* eight values as fp32 */
+static inline __m256 eight_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 eight_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline __m256 eight_f16(const uint16_t *p) {
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = one_f16(p + i);
+    return _mm256_loadu_ps(f);
+#endif
+}
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-
-/* q . k for D a multiple of 16: two independent sums */
-static inline float dot(const float *q, const float *k, int64_t D) {
-    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a);
-        b = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), b);
-    }
-    return hsum8(_mm256_add_ps(a, b));
-}
-
-/* out[0, 32) = sum_s w[s] v[s][0, 32), the 4 sums in registers */
-static void weigh32(const float *w, const float *v, int64_t vs, int64_t S, float *out) {
-    __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
-    for (int64_t s = 0; s < S; s++) {
-        const float *r = v + s * vs;
-        __builtin_prefetch(r + AHEAD * vs, 0, 3);
-        const __m256 p = _mm256_set1_ps(w[s]);
-        o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(r), o0);
-        o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(r + 8), o1);
-        o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(r + 16), o2);
-        o3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(r + 24), o3);
-    }
-    _mm256_storeu_ps(out, o0), _mm256_storeu_ps(out + 8, o1), _mm256_storeu_ps(out + 16, o2), _mm256_storeu_ps(out + 24, o3);
-}
 #endif
 
-/* one query head against S slots of its key/value head */
-static void head(const float *q, const float *k, const float *v, float *out, float *p, int64_t S, int64_t D, int64_t ks,
-                 int64_t vs, float scale) {
-    float top = -FLT_MAX;
-    for (int64_t s = 0; s < S; s++) {
-        const float *r = k + s * ks;
-        prefetch_row(r + AHEAD * ks, D);
-        float acc;
-#if defined(__AVX2__) && defined(__FMA__)
-        if (D % 32 == 0) {
-            acc = dot(q, r, D);
-        } else
+/* head_NAME: one query head against S slots of its key/value head, for a cache of T read by one_NAME
+ * (and, vectorised, eight_NAME). With AVX2: q . k in two independent sums, and 32 outputs at a time
+ * with their 4 sums in registers. */
+#ifdef VECTOR
+#define VECTOR_BODIES(NAME, T)                                                                                      \
+static inline float dot_##NAME(const float *q, const T *k, int64_t D) {                                            \
+    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();                                                       \
+    for (int64_t d = 0; d < D; d += 16) {                                                                          \
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), eight_##NAME(k + d), a);                                        \
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), eight_##NAME(k + d + 8), b);                                \
+    }                                                                                                              \
+    return hsum8(_mm256_add_ps(a, b));                                                                             \
+}                                                                                                                  \
+static void weigh32_##NAME(const float *w, const T *v, int64_t vs, int64_t S, float *out) {                        \
+    __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;                                                    \
+    for (int64_t s = 0; s < S; s++) {                                                                              \
+        const T *r = v + s * vs;                                                                                   \
+        __builtin_prefetch(r + AHEAD * vs, 0, 3);                                                                  \
+        const __m256 p = _mm256_set1_ps(w[s]);                                                                     \
+        o0 = _mm256_fmadd_ps(p, eight_##NAME(r), o0);                                                              \
+        o1 = _mm256_fmadd_ps(p, eight_##NAME(r + 8), o1);                                                          \
+        o2 = _mm256_fmadd_ps(p, eight_##NAME(r + 16), o2);                                                         \
+        o3 = _mm256_fmadd_ps(p, eight_##NAME(r + 24), o3);                                                         \
+    }                                                                                                              \
+    _mm256_storeu_ps(out, o0), _mm256_storeu_ps(out + 8, o1), _mm256_storeu_ps(out + 16, o2),                      \
+        _mm256_storeu_ps(out + 24, o3);                                                                            \
+}
+#define VECTOR_DOT(NAME) if (D % 32 == 0) acc = dot_##NAME(q, r, D); else
+#define VECTOR_WEIGH(NAME)                                                                                          \
+    if (D % 32 == 0) {                                                                                             \
+        for (int64_t d = 0; d < D; d += 32) weigh32_##NAME(p, v + d, vs, S, out + d);                              \
+        return;                                                                                                    \
+    }
+#else
+#define VECTOR_BODIES(NAME, T)
+#define VECTOR_DOT(NAME)
+#define VECTOR_WEIGH(NAME)
 #endif
-        {
-            acc = 0.0f;
-            for (int64_t d = 0; d < D; d++) acc += q[d] * r[d];
-        }
-        p[s] = acc * scale;
-        top = p[s] > top ? p[s] : top;
-    }
-    float sum = 0.0f;
-    for (int64_t s = 0; s < S; s++) sum += (p[s] = expf(p[s] - top));
-    const float inv = 1.0f / sum;
-    for (int64_t s = 0; s < S; s++) p[s] *= inv;
-#if defined(__AVX2__) && defined(__FMA__)
-    if (D % 32 == 0) {
-        for (int64_t d = 0; d < D; d += 32) weigh32(p, v + d, vs, S, out + d);
-        return;
-    }
-#endif
-    for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
-    for (int64_t s = 0; s < S; s++) {
-        const float *r = v + s * vs;
-        prefetch_row(r + AHEAD * vs, D);
-        for (int64_t d = 0; d < D; d++) out[d] += p[s] * r[d];
-    }
+
+#define HEAD(NAME, T)                                                                                              \
+VECTOR_BODIES(NAME, T)                                                                                             \
+static void head_##NAME(const float *q, const void *k_, const void *v_, float *out, float *p, int64_t S, int64_t D, \
+                        int64_t ks, int64_t vs, float scale) {                                                     \
+    const T *k = (const T *)k_, *v = (const T *)v_;                                                                \
+    float top = -FLT_MAX;                                                                                          \
+    for (int64_t s = 0; s < S; s++) {                                                                              \
+        const T *r = k + s * ks;                                                                                   \
+        prefetch_row(r + AHEAD * ks, D * (int64_t)sizeof(T));                                                      \
+        float acc;                                                                                                 \
+        VECTOR_DOT(NAME) {                                                                                         \
+            acc = 0.0f;                                                                                            \
+            for (int64_t d = 0; d < D; d++) acc += q[d] * one_##NAME(r + d);                                       \
+        }                                                                                                          \
+        p[s] = acc * scale;                                                                                        \
+        top = p[s] > top ? p[s] : top;                                                                             \
+    }                                                                                                              \
+    float sum = 0.0f;                                                                                              \
+    for (int64_t s = 0; s < S; s++) sum += (p[s] = expf(p[s] - top));                                              \
+    const float inv = 1.0f / sum;                                                                                  \
+    for (int64_t s = 0; s < S; s++) p[s] *= inv;                                                                   \
+    VECTOR_WEIGH(NAME)                                                                                             \
+    for (int64_t d = 0; d < D; d++) out[d] = 0.0f;                                                                 \
+    for (int64_t s = 0; s < S; s++) {                                                                              \
+        const T *r = v + s * vs;                                                                                   \
+        prefetch_row(r + AHEAD * vs, D * (int64_t)sizeof(T));                                                      \
+        for (int64_t d = 0; d < D; d++) out[d] += p[s] * one_##NAME(r + d);                                        \
+    }                                                                                                              \
 }
 
-/* q: (B, H, D) contiguous; out: (B, H, D); strides of k and v in floats: (kb, kh, ks), (vb, vh, vs) */
-void decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *scores, int64_t B,
+HEAD(f32, float)
+HEAD(bf16, uint16_t)
+HEAD(f16, uint16_t)
+
+typedef void (*head_fn)(const float *, const void *, const void *, float *, float *, int64_t, int64_t, int64_t, int64_t,
+                        float);
+
+/* q: (B, H, D) contiguous fp32; out: (B, H, D); k and v of type `kv` (0 fp32, 1 bf16, 2 fp16), their strides in
+ * values: (kb, kh, ks), (vb, vh, vs) */
+void decode_attention_f32(const float *q, const void *k, const void *v, float *out, float *scores, int64_t B,
                           int64_t H, int64_t Hkv, int64_t S, int64_t D, int64_t kb, int64_t kh, int64_t ks, int64_t vb,
-                          int64_t vh, int64_t vs, int64_t threads, float scale) {
-    const int64_t G = H / Hkv, pairs = B * H;
+                          int64_t vh, int64_t vs, int64_t threads, int64_t kv, float scale) {
+    const head_fn head = kv == 1 ? head_bf16 : kv == 2 ? head_f16 : head_f32;
+    const int64_t G = H / Hkv, pairs = B * H, size = kv == 0 ? 4 : 2;
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t t = 0; t < threads; t++)
         for (int64_t i = pairs * t / threads; i < pairs * (t + 1) / threads; i++) {
             const int64_t b = i / H, j = i % H / G;
-            head(q + i * D, k + b * kb + j * kh, v + b * vb + j * vh, out + i * D, scores + t * S, S, D, ks, vs, scale);
+            head(q + i * D, (const char *)k + (b * kb + j * kh) * size, (const char *)v + (b * vb + j * vh) * size,
+                 out + i * D, scores + t * S, S, D, ks, vs, scale);
         }
 }

@@ -25,8 +25,9 @@ typedef void (*int4_fn)(const float *, const uint8_t *, const float *, const flo
                         int64_t, int64_t, int64_t, int64_t, int64_t);
 typedef void (*int8_a8_fn)(const float *, const int8_t *, const float *, const float *, float *, float *, int64_t,
                            int64_t, int64_t, int64_t);
-typedef void (*attention_fn)(const float *, const float *, const float *, float *, float *, int64_t, int64_t, int64_t,
-                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float);
+typedef void (*attention_fn)(const float *, const void *, const void *, float *, float *, int64_t, int64_t, int64_t,
+                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                             float);
 }
 
 static f32_fn f32_kernel;
@@ -139,16 +140,18 @@ at::Tensor decode_attention(const at::Tensor &q_, const at::Tensor &k, const at:
                     k.size(3) == q_.size(3) && q_.size(1) % k.size(1) == 0,
                 "decode_attention: expected q (B, H, 1, D) and k, v (B, H_kv, S, D), got ", q_.sizes(), " ", k.sizes(),
                 " ", v.sizes());
-    TORCH_CHECK(q_.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                    k.stride(3) == 1 && v.stride(3) == 1,
-                "decode_attention: expected fp32 tensors with each slot's values contiguous");
+    const auto kv = k.scalar_type();
+    TORCH_CHECK(q_.scalar_type() == at::kFloat && v.scalar_type() == kv &&
+                    (kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf) && k.stride(3) == 1 && v.stride(3) == 1,
+                "decode_attention: expected an fp32 q, and k, v both fp32, bf16 or fp16 with each slot's values "
+                "contiguous");
     const at::Tensor q = q_.contiguous();
     at::Tensor out = at::empty_like(q);
     const int64_t B = q.size(0), H = q.size(1), S = k.size(2), threads = pieces(B * H);
     at::Tensor scores = at::empty({threads * S}, q.options());
-    attention_kernel(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
-                     scores.data_ptr<float>(), B, H, k.size(1), S, q.size(3), k.stride(0), k.stride(1), k.stride(2),
-                     v.stride(0), v.stride(1), v.stride(2), threads, static_cast<float>(scale));
+    attention_kernel(q.data_ptr<float>(), k.data_ptr(), v.data_ptr(), out.data_ptr<float>(), scores.data_ptr<float>(),
+                     B, H, k.size(1), S, q.size(3), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+                     v.stride(2), threads, kv == at::kFloat ? 0 : kv == at::kBFloat16 ? 1 : 2, static_cast<float>(scale));
     return out;
 }
 

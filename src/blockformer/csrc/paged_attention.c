@@ -6,8 +6,8 @@
  * with G = H / Hkv query heads per key/value head (GQA). The pool is (slots, Hkv, D), so a
  * slot's keys for every head are one contiguous run: each key and value is read once, with
  * no gathered copy (the copy and a second pass over it are what this replaces).
- * `scores` is scratch of H * S floats per thread. The pool holds fp32 or bf16 (a bf16 is the
- * top half of an fp32: widened by a shift as it is read); queries, scores and outputs are fp32.
+ * `scores` is scratch of H * S floats per thread. The pool holds fp32, bf16 or fp16 (half.h widens
+ * each value as it is read); queries, scores and outputs are fp32.
  * Built at first use by blockformer.native with the machine's C compiler (and OpenMP where it
  * has it); plain C, vectorised by the compiler.
  */
@@ -16,12 +16,9 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float as_float(float x) { return x; }
+#include "half.h"
 
-static inline float bf16_to_float(uint16_t x) {
-    union { uint32_t u; float f; } v = {(uint32_t)x << 16};
-    return v.f;
-}
+static inline float as_float(float x) { return x; }
 
 /* span_NAME and paged_decode_attention_NAME for a pool of T, read as floats by LOAD. The
  * entry point splits the rows into `threads` spans, one per thread of torch's OpenMP runtime;
@@ -85,3 +82,4 @@ void paged_decode_attention_##NAME(const float *q, const T *pk, const T *pv, con
 
 PAGED(f32, float, as_float)
 PAGED(bf16, uint16_t, bf16_to_float)
+PAGED(f16, uint16_t, f16_to_float)

@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import kernels, native
 from ..config import TransformerConfig
+from ..precision import cast
 from .decode_attention import decode_attention, kernel as decode_attention_built
 from .dropout import dropout as apply_dropout
 from .kv_cache import KVCache
@@ -89,6 +90,10 @@ class Attention(nn.Module):
 
 
 def sdpa(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None = None) -> torch.Tensor:
+    if (mask is None and not is_causal and not dropout and kernels.decode_attention_kernel(q, k, v)
+            and decode_attention_built()):  # one new token over every cached slot, eager on a CPU
+        return native.call(decode_attention, q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
+    k, v = cast(k, q.dtype), cast(v, q.dtype)  # a cache kept narrower than the model computes (KVCache.dtype)
     groups = q.shape[1] // k.shape[1]
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
@@ -101,9 +106,6 @@ def sdpa(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None = N
     # too where the fused backward is slower (``kernels.unfused_attention``).
     if kernels.unfused_attention(q.device, q.dtype, k.shape[-2], dropout, torch.is_grad_enabled()):
         return _unfused(q, k, v, mask, is_causal, dropout, scale, groups)
-    if (mask is None and not is_causal and not dropout and kernels.decode_attention_kernel(q, k, v)
-            and decode_attention_built()):  # one new token over every cached slot, eager on a CPU
-        return native.call(decode_attention, q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
     kwargs = {"enable_gqa": True} if groups > 1 else {}
     if scale is not None:
         kwargs["scale"] = scale

@@ -89,6 +89,23 @@ def test_generate_streams_and_stops_at_a_stop_string(lm_run, capsys):
     assert capsys.readouterr().out == "def f" + full[: full.index(stop)] + "\n"
 
 
+def test_generate_keeps_its_cache_in_the_dtype_asked_for(lm_run, capsys):
+    run_dir, args = lm_run
+    if not (run_dir / "best").exists():
+        main(args)
+    ckpt = load_checkpoint(run_dir)
+    cmd = ["generate", "--checkpoint", str(run_dir), "--prompt", "def f", "--max-new-tokens", "30", "--temperature", "0"]
+    capsys.readouterr()
+    for dtype in ("bf16", "fp16"):
+        [ids] = generate(ckpt.model, [ckpt.tokenizer.encode("def f")], 30, temperature=0, eos_id=EOS_ID,
+                         kv_cache_dtype=dtype)
+        assert main([*cmd, "--kv-cache-dtype", dtype]) == 0
+        assert capsys.readouterr().out == "def f" + ckpt.tokenizer.decode(ids) + "\n"
+    assert "--kv-cache-dtype: invalid choice: 'int8'" in _error(capsys, [*cmd, "--kv-cache-dtype", "int8"])
+    err = _error(capsys, [*cmd, "--kv-cache-dtype", "bf16", "--draft", str(run_dir)])
+    assert "--draft: not combined with --min-new-tokens, --compile or --kv-cache-dtype" in err
+
+
 def test_quantized_generate_keeps_the_float_models_greedy_tokens(tmp_path, capsys):
     """A random byte-level decoder (seed 0, init_std 0.2, so greedy choices vary), 20 greedy
     tokens through the CLI, compared as decoded text. Measured here: int8 gives the float

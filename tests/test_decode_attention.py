@@ -1,5 +1,6 @@
-"""csrc/decode_attention.c: one new token per row over every cached slot equals SDPA, and the
-eager CPU decode step takes it exactly where its mask would be all True."""
+"""csrc/decode_attention.c: one new token per row over every cached slot equals SDPA, over a
+cache of fp32, bf16 or fp16, and the eager CPU decode step takes it exactly where its mask would
+be all True."""
 
 import pytest
 import torch
@@ -28,6 +29,29 @@ def test_the_kernel_equals_sdpa_over_a_slice_of_a_longer_cache(cap, monkeypatch)
             torch.testing.assert_close(DECODE.decode_attention(q, k, v, 0.3), want, rtol=1e-5, atol=5e-5)  # values ~3
 
 
+@pytest.mark.parametrize("cap", [None, "avx2", "default"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernel_reads_a_narrow_cache_as_sdpa_reads_it_widened(cap, dtype, monkeypatch):
+    """Each value is widened exactly (bf16 by a shift, fp16 by F16C or by hand in plain C), so the
+    kernel equals SDPA over the cache converted to fp32 as closely as over an fp32 cache. fp16's
+    extremes, as values: subnormals (6e-8, 1e-5) and zeros of both signs on their own scale, then
+    its largest (65504)."""
+    with kernels_built_for(cap, monkeypatch, DECODE.kernel):
+        g = torch.Generator().manual_seed(1)
+        extremes = [[6e-8, -1e-5, 3e-5, 0.0, -0.0, 1e-7], [65504.0, -65504.0, 1.0, 0.0, 2.0, -3.0]]
+        for B, H, Hkv, S, D in SHAPES:
+            q = torch.randn(B, H, 1, D, generator=g)
+            cache_k, cache_v = (torch.randn(2, B, Hkv, S + 9, D, generator=g) * 3).to(dtype)
+            for values in [None, *extremes] if dtype == torch.float16 else [None]:
+                if values is not None:
+                    n = cache_v.numel()
+                    cache_v = torch.tensor(values, dtype=dtype).repeat(n // 6 + 1)[:n].view(cache_v.shape)
+                k, v = cache_k[:, :, :S], cache_v[:, :, :S]
+                want = F.scaled_dot_product_attention(q, k.float(), v.float(), enable_gqa=H != Hkv, scale=0.3)
+                atol = 5e-5 * max(v.float().abs().amax().item(), 1e-30) / 3  # for values ~3, as over fp32
+                torch.testing.assert_close(DECODE.decode_attention(q, k, v, 0.3), want, rtol=1e-5, atol=atol)
+
+
 def test_the_cpp_operator_gives_the_same_and_checks_its_shapes():
     assert DECODE.kernel() is not None and native.CPP_OPS
     q, k, v = torch.randn(2, 4, 1, 32), torch.randn(2, 2, 10, 32), torch.randn(2, 2, 10, 32)
@@ -35,6 +59,12 @@ def test_the_cpp_operator_gives_the_same_and_checks_its_shapes():
                                DECODE.decode_attention(q, k, v, 0.25), rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="expected q"):
         torch.ops.blockformer_c.decode_attention(q, k[:, :, :, :16], v[:, :, :, :16], 0.25)
+    for dtype in (torch.bfloat16, torch.float16):
+        torch.testing.assert_close(torch.ops.blockformer_c.decode_attention(q, k.to(dtype), v.to(dtype), 0.25),
+                                   DECODE.decode_attention(q, k.to(dtype), v.to(dtype), 0.25), rtol=0, atol=0)
+    for wrong in [(q, k.bfloat16(), v.half()), (q.bfloat16(), k.bfloat16(), v.bfloat16()), (q, k.double(), v.double())]:
+        with pytest.raises(RuntimeError, match="expected an fp32 q, and k, v both fp32, bf16 or fp16"):
+            torch.ops.blockformer_c.decode_attention(*wrong, 0.25)
 
 
 def make():
@@ -64,6 +94,46 @@ def test_the_choice_is_fp32_inference_on_one_query_token():
     with torch.inference_mode():
         assert kernels.decode_attention_kernel(q, k, k)
         assert not kernels.decode_attention_kernel(q.bfloat16(), k.bfloat16(), k.bfloat16())
+        assert kernels.decode_attention_kernel(q, k.bfloat16(), k.bfloat16())  # a narrow cache, fp32 queries
+        assert kernels.decode_attention_kernel(q, k.half(), k.half())
+        assert not kernels.decode_attention_kernel(q, k.bfloat16(), k.half())
+        assert not kernels.decode_attention_kernel(q, k.double(), k.double())
         assert not kernels.decode_attention_kernel(torch.randn(1, 4, 2, 32), k, k)  # two query tokens
         assert not kernels.decode_attention_kernel(q, k.transpose(2, 3), k.transpose(2, 3))  # slots not contiguous
     assert not kernels.decode_attention_kernel(q, k, k)  # autograd on: the kernel has no backward
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_narrow_cache_holds_its_dtype_and_each_path_reads_it_alike(dtype, monkeypatch):
+    """kv_cache_dtype: the cache holds bf16/fp16 under an fp32 model; the eager step's kernel reads it
+    in place and SDPA (the kernel off, or a padded batch's mask) an fp32 copy: the same tokens. Its
+    logits differ from an fp32 cache's by the rounding alone (measured here: at most 0.02 on logits of
+    about 10; an unrounded copy would give 0, a cache cast to the wrong type far more)."""
+    from blockformer.nn.kv_cache import KVCache
+
+    model, held, calls = make(), set(), []
+    update, call = KVCache.update, native.call
+    monkeypatch.setattr(KVCache, "update", lambda self, *a: held.add(self.dtype) or update(self, *a))
+    monkeypatch.setattr(ATTENTION.native, "call", lambda fn, *a: calls.append(fn.__name__) or call(fn, *a))
+    ours = generate(model, [[5, 6, 7]], 6, temperature=0, kv_cache_dtype=dtype)
+    assert held == {{"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]} and len(calls) == 15
+    monkeypatch.setattr(kernels, "DECODE_ATTENTION_KERNEL", False)
+    assert generate(model, [[5, 6, 7]], 6, temperature=0, kv_cache_dtype=dtype) == ours
+    assert generate(model, [[5, 6, 7], [8]], 6, temperature=0, kv_cache_dtype=dtype)[0] == ours[0]
+    assert len(calls) == 15
+
+    with torch.inference_mode():  # the logits of one step, fp32 cache against narrow
+        logits = {}
+        for name in ("fp32", dtype):
+            cache = model.new_cache(1, 8, dtype={"fp32": torch.float32, "bf16": torch.bfloat16,
+                                                  "fp16": torch.float16}[name])
+            ids = torch.tensor([[5, 6, 7, 9, 11]])
+            model(ids[:, :4], cache=cache, cache_pos=torch.arange(4))
+            logits[name] = model(ids[:, 4:], cache=cache, cache_pos=torch.tensor([4]))[0, -1]
+        gap = (logits[dtype] - logits["fp32"]).abs().max().item()
+        assert 0 < gap < 0.05 * logits["fp32"].abs().max().item(), gap
+
+
+def test_kv_cache_dtype_is_checked():
+    with pytest.raises(ValueError, match="kv_cache_dtype: 'int8'; expected one of auto, fp32, bf16, fp16"):
+        generate(make(), [[5, 6]], 2, temperature=0, kv_cache_dtype="int8")

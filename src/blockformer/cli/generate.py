@@ -3,7 +3,8 @@
 Sampling (temperature, top-k, top-p, a seed) or greedy (``--temperature 0``) through the KV
 cache; text is printed as it is generated, and stops at EOS, ``--max-new-tokens`` or a
 ``--stop`` string. ``--compile`` compiles the one-token decode step; ``--precision bf16``
-and ``--quantize int8``/``int4``/``int4-a8``/``int8-a8`` make each step read fewer weight bytes (faster on a CPU).
+and ``--quantize int8``/``int4``/``int4-a8``/``int8-a8`` make each step read fewer weight bytes (faster on a CPU),
+and ``--kv-cache-dtype bf16``/``fp16`` fewer cache bytes (long contexts).
 ``--draft CKPT`` decodes speculatively: a small model with the same tokenizer proposes
 ``--num-draft`` tokens and the checkpoint verifies them in one pass (same output
 distribution; greedy output identical); the acceptance rate goes to stderr.
@@ -34,10 +35,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--compile", action="store_true", help="compile the one-token decode step")
+    add_kv_cache_argument(parser)
     add_quantize_argument(parser)
     parser.add_argument("--draft", default=None, metavar="CKPT",
                         help="speculative decoding: a small decoder checkpoint with the same tokenizer")
     parser.add_argument("--num-draft", type=int, default=None, metavar="K", help="tokens drafted per round (default 4)")
+
+
+def add_kv_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """``--kv-cache-dtype`` (generate, serve): ``generate.step.resolve_kv_dtype`` reads it."""
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                        help="what the KV cache holds (auto: what attention computes in); bf16 or fp16 halve "
+                             "its bytes, rounding keys and values")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--num-draft {args.num_draft}: drafts tokens for --draft CKPT; "
                          f"expected --draft with it")
     args.num_draft = 4 if args.num_draft is None else args.num_draft
-    if args.draft and (args.min_new_tokens or args.compile):
-        raise UsageError("--draft: not combined with --min-new-tokens or --compile; expected neither")
+    if args.draft and (args.min_new_tokens or args.compile or args.kv_cache_dtype != "auto"):
+        raise UsageError("--draft: not combined with --min-new-tokens, --compile or --kv-cache-dtype; expected none "
+                         "of them")
     if args.num_draft < 1:
         raise UsageError(f"--num-draft {args.num_draft}: expected an integer >= 1")
     if args.top_p is not None and not 0 < args.top_p <= 1:
@@ -105,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                        generator=generator, on_token=stream.on_token, stop=stream.stop)
         if draft is None:
             generate(model, [prompt_ids], args.max_new_tokens, min_new_tokens=args.min_new_tokens,
-                     compile=args.compile, **options)
+                     compile=args.compile, kv_cache_dtype=args.kv_cache_dtype, **options)
         else:
             out = speculative_generate(model, draft, [prompt_ids], args.max_new_tokens,
                                        num_draft=args.num_draft, **options)

@@ -27,7 +27,7 @@ from ..models.checks import (
 )
 from .batching import PAD_ID, PromptBatch, positions_from_mask, prepare_prompts
 from .sampling import Sampling
-from .step import decode_step, eval_mode, model_device, prepare_step
+from .step import decode_step, eval_mode, model_device, prepare_step, resolve_kv_dtype
 
 OnToken = Callable[[int, int], None]  # (row, token id): called as each kept token is made
 StopFn = Callable[[int, list[int]], bool]  # (row, new ids so far) -> stop this row now
@@ -57,6 +57,7 @@ def generate(
     compile_mode: str | None = None,
     pad_id: int = PAD_ID,
     check_every: int = 16,
+    kv_cache_dtype: str = "auto",
 ) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens; return the new ids per prompt.
 
@@ -67,7 +68,9 @@ def generate(
     ``prompts`` is a list of id lists, or a (B, T) tensor, left-padded if ``attention_mask``
     is given. ``seed`` / ``generator`` make sampling reproducible. ``use_cache=False``
     recomputes the whole sequence each step (a reference, not for speed). ``compile=True``
-    compiles the one-token step with ``torch.compile``.
+    compiles the one-token step with ``torch.compile``. ``kv_cache_dtype`` (``auto``, ``fp32``,
+    ``bf16``, ``fp16``) is what the cache holds: ``auto`` the dtype attention computes in; a
+    narrower one halves the cache's bytes and rounds its keys and values (``step.resolve_kv_dtype``).
     """
     sampling = Sampling(temperature, top_k, top_p, do_sample)
     check_token_count("max_new_tokens", max_new_tokens)
@@ -76,6 +79,7 @@ def generate(
         raise UsageError(f"min_new_tokens: {min_new_tokens} exceeds max_new_tokens={max_new_tokens}; expected at "
                          "most that")
     check_int(check_every, "check_every", 1)
+    kv_dtype = resolve_kv_dtype(kv_cache_dtype)
     stop_sequences = check_decoding_args(model, eos_id, pad_id, seed, generator, on_token, stop, stop_sequences)
     device = model_device(model)
     batch = prepare_prompts(prompts, attention_mask, pad_id=pad_id, vocab_size=vocab_size_of(model), device=device)
@@ -89,7 +93,7 @@ def generate(
     ending = _Ending(eos_id, stop_sequences, stop, on_token, min_new_tokens, batch.tokens.shape[0], device)
     with eval_mode(model), trusted_inputs():  # prompts checked above; inference tensors throughout
         if use_cache:
-            steps = _CachedSteps(model, batch, max_new_tokens, compile, compile_mode)
+            steps = _CachedSteps(model, batch, max_new_tokens, compile, compile_mode, kv_dtype)
         else:
             steps = _RecomputedSteps(model, batch, window)
         out = _decode(steps, max_new_tokens, sampling, generator, ending, pad_id, check_every)
@@ -117,12 +121,13 @@ def _decode(steps, N: int, sampling: Sampling, generator, ending: _Ending, pad_i
 class _CachedSteps:
     """Prefill once, then one token per step into a cache of ``prompt + N`` slots."""
 
-    def __init__(self, model: nn.Module, batch: PromptBatch, N: int, compile: bool, compile_mode: str | None):
+    def __init__(self, model: nn.Module, batch: PromptBatch, N: int, compile: bool, compile_mode: str | None,
+                 kv_dtype: torch.dtype | None = None):
         B, P = batch.tokens.shape
         positions = batch.positions
         self.model = model
         self.cache, self.step = prepare_step(model, decode_step, B, P + N, compile=compile,
-                                             compile_mode=compile_mode)
+                                             compile_mode=compile_mode, kv_dtype=kv_dtype)
         self.logits = prefill(model, batch.tokens, positions, batch.mask, self.cache)  # (B, V)
         self.cache_pos = torch.tensor([P], device=batch.tokens.device)  # (1,): the slot the next token fills
         self.next_pos = positions[:, -1:] + 1  # (B, 1)

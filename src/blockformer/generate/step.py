@@ -23,7 +23,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from ..errors import UsageError
 from ..nn.kv_cache import KVCache
+from ..precision import DTYPES
 from .packed import is_packed
 
 StepFn = Callable[..., torch.Tensor]
@@ -52,12 +54,13 @@ STATIC_CACHE = "static_decode_cache"  # the attribute of a model that holds its 
 
 
 def prepare_step(
-    model: nn.Module, step: StepFn, batch_size: int, max_len: int, *, compile: bool, compile_mode: str | None
+    model: nn.Module, step: StepFn, batch_size: int, max_len: int, *, compile: bool, compile_mode: str | None,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[KVCache, StepFn]:
     """A cache for ``batch_size`` rows and ``max_len`` slots, and ``step`` to run on it:
     as is, or compiled (``compile_mode`` None: CUDA graphs on GPU, inductor's default on
-    CPU)."""
-    device, dtype = model_device(model), cache_dtype(model)
+    CPU). The cache holds ``kv_dtype`` (None: the dtype attention computes in, ``cache_dtype``)."""
+    device, dtype = model_device(model), kv_dtype or cache_dtype(model)
     if compile and is_packed(model):
         raise ValueError("compile: the model's weights are packed for eager CPU decoding (pack_linears), "
                          "which a compiled step cannot read; expected compile=False, or an unpacked model")
@@ -149,6 +152,23 @@ def cache_dtype(model: nn.Module) -> torch.dtype:
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return param.dtype
+
+
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16")
+
+
+def resolve_kv_dtype(name: str | None) -> torch.dtype | None:
+    """The dtype a ``kv_cache_dtype`` option names (``auto``/None: the model's own, ``cache_dtype``).
+
+    A bf16 or fp16 cache under an fp32 model halves the cache's bytes (llama.cpp keeps fp16 by
+    default; vLLM's ``--kv-cache-dtype``): keys and values are rounded as they are written, and an
+    eager CPU step reads them as they are (``nn/decode_attention.py``); elsewhere attention reads an
+    fp32 copy. fp16 keeps 3 more mantissa bits, bf16 fp32's range (fp16 overflows past 65504)."""
+    if name is None or name == "auto":
+        return None
+    if name not in KV_CACHE_DTYPES:
+        raise UsageError(f"kv_cache_dtype: {name!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
+    return DTYPES[name]
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from blockformer import native
+from blockformer.generate import generate
 from blockformer.serve import Engine, paged_attention
 from blockformer.serve.runner import gather
 
@@ -68,6 +69,34 @@ def test_the_kernel_reads_a_bf16_pool_as_the_floats_it_holds(heads, kv_heads, th
     torch.testing.assert_close(out32, want, atol=1e-5, rtol=1e-5)
     assert out16.dtype == torch.bfloat16  # and the same values, rounded once (2**-8: half a bf16 step, relative)
     torch.testing.assert_close(out16.float(), want, atol=1e-5, rtol=2**-8)
+
+
+def test_the_kernel_reads_an_fp16_pool_under_fp32_queries():
+    """An fp32 model's pool kept in fp16 (``kv_cache_dtype="fp16"``): widened exactly as it is read."""
+    assert paged_attention.kernel(torch.float16) is not None
+    q, pool_k, pool_v, read, mask = scattered(7, 24, 8, 2, 16, seed=3)
+    pool_k, pool_v = pool_k.half(), pool_v.half()
+    pool_v[::3] = 3e-5  # subnormal in fp16
+    out = paged_attention.decode_attention(q, pool_k, pool_v, read, mask, 0.3, torch.full_like(q, float("nan")))
+    torch.testing.assert_close(out, gathered(q, pool_k.float(), pool_v.float(), read, mask, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_fp32_engine_keeps_its_pool_in_the_kv_cache_dtype_and_decodes_as_generate_does(dtype, monkeypatch):
+    """``kv_cache_dtype``: the pool holds bf16/fp16 (twice the blocks in the default budget), the decoding
+    rows read it in place, and the tokens are generate's with the same cache dtype."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    pools = []
+    real = paged_attention.decode_attention
+    monkeypatch.setattr(paged_attention, "decode_attention", lambda q, pk, *a: pools.append(pk.dtype) or real(q, pk, *a))
+    model, ps = make(n_kv_heads=2), prompts(4)
+    engine = Engine(model, TOK, block_size=4, max_num_batched_tokens=20, max_running=4, kv_cache_dtype=name)
+    assert engine.blocks.num_blocks == 2 * Engine(model, TOK, block_size=4).blocks.num_blocks
+    ours = staggered(engine, ps)
+    assert ours == [generate(model, [p], 16, temperature=0, kv_cache_dtype=name)[0] for p in ps]
+    assert len(pools) >= 16 * model.cfg.n_layers and set(pools) == {dtype}
+    with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8'; expected one of auto, fp32, bf16, fp16"):
+        Engine(model, TOK, kv_cache_dtype="fp8")
 
 
 def test_a_bf16_engines_decoding_rows_go_through_the_kernel_and_get_the_attention_of_the_pool():
@@ -167,6 +196,6 @@ def test_the_kernel_is_built_for_the_instruction_set_torch_is_capped_at(monkeypa
     if native.platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("x86 flags")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    assert native.arch_flags() == ["-mavx2", "-mfma"]
+    assert native.arch_flags() == ["-mavx2", "-mfma", "-mf16c"]
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
     assert native.arch_flags() == []

@@ -4,7 +4,7 @@ A decoder answers ``/v1/completions`` and ``/v1/chat/completions`` (chat needs a
 the checkpoint's ``chat_template.jinja`` or ``--chat-template FILE``), an encoder
 ``/v1/embeddings``, an encoder-decoder ``/v1/translations``; every server has
 ``/v1/models``, ``/health`` and ``/metrics`` (Prometheus). Requests share the engine's
-continuous batch and its paged KV cache (``--block-size``, ``--num-blocks``,
+continuous batch and its paged KV cache (``--block-size``, ``--num-blocks``, ``--kv-cache-dtype``,
 ``--max-num-batched-tokens`` per step, ``--max-running``, ``--max-queued`` before a 429).
 
 On start it prints the URL and a ``curl`` line that works. Ctrl-C (or SIGTERM) stops
@@ -30,6 +30,7 @@ SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client", "jinja2")  # pyproject
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .generate import add_kv_cache_argument  # noqa: PLC0415
     from .translate import add_quantize_argument  # noqa: PLC0415
 
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint or run directory")
@@ -38,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV-cache block")
     parser.add_argument("--num-blocks", type=int, default=None, metavar="N",
                         help="KV-cache blocks in the pool (default: the engine sizes it)")
+    add_kv_cache_argument(parser)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
                         help="token budget of one engine step (prefill chunks + decodes; default 512)")
     parser.add_argument("--max-running", type=int, default=64, metavar="N",
@@ -90,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
             args.checkpoint, device=device, precision=args.precision, quantize=args.quantize,
             chat_template=template, block_size=args.block_size, num_blocks=args.num_blocks,
             max_num_batched_tokens=args.max_num_batched_tokens, max_running=args.max_running,
-            max_queued=args.max_queued, prefix_caching=not args.no_prefix_caching, **options)
+            max_queued=args.max_queued, prefix_caching=not args.no_prefix_caching,
+            kv_cache_dtype=args.kv_cache_dtype, **options)
         aeng = AsyncEngine(engine)
         app = build_app(aeng, model_name=engine.model_name, chat_template=engine.chat_template)
         asyncio.run(_serve(app, aeng, sock, _banner(sock, engine)))

@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import UsageError
 from ..generate.stream import TextStream
 from ..generate.seq2seq import EXTRA_TARGET_LEN
+from ..generate.step import resolve_kv_dtype
 from ..models.heads import pool as pool_hidden
 from ..tokenizers import BOS_ID, EOS_ID
 from .blocks import BlockManager, salt_for
@@ -97,6 +98,7 @@ class Engine:
         model_name: str = "blockformer",
         chat_template: str | None = None,
         seed: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         cfg = getattr(model, "cfg", None)
         if cfg is None:
@@ -105,6 +107,7 @@ class Engine:
                                  ("max_running", max_running, 1), ("max_queued", max_queued, 1)]:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise UsageError(f"{name}: {value!r}; expected an integer >= {low}")
+        kv_dtype = resolve_kv_dtype(kv_cache_dtype)  # None: the dtype attention computes in
         self.model, self.tokenizer, self.cfg = model.eval(), tokenizer, cfg
         self.arch, self.model_name, self.chat_template = cfg.arch, model_name, chat_template
         self.max_context = cfg.max_seq_len
@@ -117,13 +120,13 @@ class Engine:
             self.blocks = self.scheduler = self.runner = None
             return
         if num_blocks is None:
-            per_block = PagedPool.bytes_per_block(model, block_size)
+            per_block = PagedPool.bytes_per_block(model, block_size, kv_dtype)
             num_blocks = max(-(-self.max_context // block_size) + 1, DEFAULT_KV_BYTES // per_block)
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise UsageError(f"num_blocks: {num_blocks!r}; expected an integer >= 1")
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_running)
-        self.runner = ModelRunner(model, PagedPool(model, num_blocks, block_size))
+        self.runner = ModelRunner(model, PagedPool(model, num_blocks, block_size, kv_dtype))
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, *, device: str = "cpu", precision: str = "fp32",

@@ -23,17 +23,17 @@ from .. import native
 
 @functools.cache
 def kernel(dtype: torch.dtype = torch.float32):
-    """The compiled ``paged_decode_attention_f32`` (or ``_bf16``, for a bf16 pool), or None where
-    it cannot be built."""
-    name = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
+    """The compiled ``paged_decode_attention_f32`` (or ``_bf16``, ``_f16`` for a bf16 or fp16 pool), or
+    None where it cannot be built."""
+    name = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
     return native.function("paged_attention", f"paged_decode_attention_{name}", 7, 5, ctypes.c_float, ctypes.c_int64)
 
 
 def decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, read: torch.Tensor,
                      mask: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
     """``out`` (rows, H, D) = attention of one query per row ``q`` (rows, H, D) over pool
-    slots ``read`` (rows, S) where ``mask`` (rows, S) is True; pools (slots, H_kv, D), fp32 or
-    bf16, on the CPU. The kernel reads the pools as they are and works in fp32: ``q`` and ``out``
+    slots ``read`` (rows, S) where ``mask`` (rows, S) is True; pools (slots, H_kv, D), fp32, bf16
+    or fp16, on the CPU. The kernel reads the pools as they are and works in fp32: ``q`` and ``out``
     are converted where they are bf16. Rows are split over torch's threads."""
     rows, H, D = q.shape
     S, Hkv, threads = read.shape[1], pool_k.shape[1], native.pieces(rows)

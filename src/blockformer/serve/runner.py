@@ -220,8 +220,8 @@ class PagedPool:
     """Keys and values of every layer, (num_blocks * block_size + 1, H_kv, head_dim) each;
     the last slot is never written (zeros): the invalid slots of a view read it."""
 
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int) -> None:
-        probe = model.new_cache(1, 1)
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> None:
+        probe = model.new_cache(1, 1, dtype=dtype)  # dtype None: the model's own
         self.n_layers = len(probe.k)
         n_kv_heads, head_dim, dtype = probe.k[0].shape[1], probe.k[0].shape[3], probe.k[0].dtype
         slots = num_blocks * block_size + 1
@@ -241,8 +241,8 @@ class PagedPool:
         return buf[:rows]
 
     @staticmethod
-    def bytes_per_block(model: nn.Module, block_size: int) -> int:
-        probe = model.new_cache(1, 1)
+    def bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype | None = None) -> int:
+        probe = model.new_cache(1, 1, dtype=dtype)
         one = probe.k[0]
         return 2 * len(probe.k) * block_size * one.shape[1] * one.shape[3] * one.element_size()
 

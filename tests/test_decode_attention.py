@@ -52,6 +52,19 @@ def test_the_kernel_reads_a_narrow_cache_as_sdpa_reads_it_widened(cap, dtype, mo
                 torch.testing.assert_close(DECODE.decode_attention(q, k, v, 0.3), want, rtol=1e-5, atol=atol)
 
 
+@pytest.mark.parametrize("cap", [None, "avx2", "default"])
+def test_every_bf16_and_fp16_value_is_widened_exactly(cap, monkeypatch):
+    """One slot: the output is its value times a weight of exactly 1. Every 16-bit pattern of each type
+    (infinities, NaNs, subnormals), through the vector body (D = 65536) and the plain loop (D = 65520)."""
+    with kernels_built_for(cap, monkeypatch, DECODE.kernel):
+        every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+        for dtype in (torch.bfloat16, torch.float16):
+            for D in (65536, 65520):
+                v = every[:D].view(dtype).view(1, 1, 1, D)
+                out = DECODE.decode_attention(torch.zeros(1, 1, 1, D), torch.zeros_like(v), v, 1.0)
+                torch.testing.assert_close(out, v.float(), rtol=0, atol=0, equal_nan=True)
+
+
 def test_the_cpp_operator_gives_the_same_and_checks_its_shapes():
     assert DECODE.kernel() is not None and native.CPP_OPS
     q, k, v = torch.randn(2, 4, 1, 32), torch.randn(2, 2, 10, 32), torch.randn(2, 2, 10, 32)

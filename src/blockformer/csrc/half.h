@@ -10,15 +10,14 @@ static inline float bf16_to_float(uint16_t x) {
     return v.f;
 }
 
-/* IEEE half: 1 sign, 5 exponent and 10 mantissa bits; exponent 0 is zero or subnormal (man * 2^-24),
- * 31 infinity or NaN */
+/* IEEE half: 1 sign, 5 exponent and 10 mantissa bits. Its exponent and mantissa, moved into an fp32's
+ * places, read as 2^-112 times the value (normal or subnormal: the fp32 is then subnormal too), so one
+ * product by 2^112 rebiases them; exponent 31 (infinity, NaN) sets every exponent bit. No branch, so the
+ * compiler vectorises loops over it. */
 static inline float f16_to_float(uint16_t x) {
-    const uint32_t sign = (uint32_t)(x & 0x8000u) << 16, exp = (x >> 10) & 0x1f, man = x & 0x3ff;
-    if (exp == 0) {
-        const float f = (float)man * 0x1p-24f;
-        return sign ? -f : f;
-    }
-    union { uint32_t u; float f; } v = {sign | (exp == 0x1f ? 0x7f800000u | man << 13 : (exp + 112) << 23 | man << 13)};
+    union { uint32_t u; float f; } v = {(uint32_t)(x & 0x7fff) << 13};
+    v.f *= 0x1p112f;
+    v.u |= ((x & 0x7c00) == 0x7c00 ? 0x7f800000u : 0) | (uint32_t)(x & 0x8000) << 16;
     return v.f;
 }
 #endif

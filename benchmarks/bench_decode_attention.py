@@ -3,7 +3,8 @@ torch's SDPA, one query token per row over every slot.
 
 1. The attention alone, GPT-2 small's heads (12 of 64), 12 layers' keys and values, a 64 MB
    buffer written between rounds so that they come from memory, as in a decode step, where
-   the weights streamed since a layer last ran have pushed its cache out.
+   the weights streamed since a layer last ran have pushed its cache out; and the kernel over
+   the same caches kept in bf16 and fp16 (``generate --kv-cache-dtype``).
 2. The eager decode step (GPT-2 small, random weights, batch 1, greedy, fp32 activations, as
    the CLI prepares it), with ``kernels.DECODE_ATTENTION_KERNEL`` on and off in alternate
    rounds of one process, so that a shared machine's drift falls on both alike.
@@ -33,22 +34,27 @@ from blockformer.nn.decode_attention import decode_attention, kernel
 
 
 def attention_alone(slots: list[int], rounds: int, heads: int, head_dim: int, layers: int) -> list[str]:
-    lines = ["| slots | SDPA, us a layer | kernel, us a layer | speedup | SDPA, GB/s | kernel, GB/s |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    """SDPA and the kernel over fp32 caches, and the kernel over the same caches kept in bf16 and fp16
+    (``kv_cache_dtype``: half the bytes, widened as they are read)."""
+    lines = ["| slots | SDPA, us a layer | kernel, us a layer | speedup | SDPA, GB/s | kernel, GB/s "
+             "| bf16 cache, us | fp16 cache, us | bf16, fp16 over fp32 kernel |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     flush = torch.zeros(16 * 1024 * 1024)  # 64 MB, above the last-level cache
     for S in slots:
         ks = [torch.randn(1, heads, S, head_dim) for _ in range(layers)]
         vs = [torch.randn(1, heads, S, head_dim) for _ in range(layers)]
+        narrow = {dtype: ([k.to(dtype) for k in ks], [v.to(dtype) for v in vs]) for dtype in (torch.bfloat16, torch.float16)}
         q = torch.randn(1, heads, 1, head_dim)
         torch.testing.assert_close(decode_attention(q, ks[0], vs[0], head_dim ** -0.5),
                                    F.scaled_dot_product_attention(q, ks[0], vs[0]), rtol=1e-5, atol=1e-5)
-        best = {"sdpa": float("inf"), "kernel": float("inf")}
+        caches = {"sdpa": (ks, vs), "kernel": (ks, vs), "bf16": narrow[torch.bfloat16], "fp16": narrow[torch.float16]}
+        best = dict.fromkeys(caches, float("inf"))
         with torch.inference_mode():
             for _ in range(rounds):
-                for name in best:
+                for name, (kk, vv) in caches.items():
                     flush.add_(1.0)
                     t = time.perf_counter()
-                    for k, v in zip(ks, vs):
+                    for k, v in zip(kk, vv):
                         if name == "sdpa":
                             F.scaled_dot_product_attention(q, k, v)
                         else:
@@ -57,7 +63,8 @@ def attention_alone(slots: list[int], rounds: int, heads: int, head_dim: int, la
         nbytes = 2 * heads * S * head_dim * 4
         a, b = best["sdpa"], best["kernel"]
         lines.append(f"| {S} | {a * 1e6:.1f} | {b * 1e6:.1f} | {a / b:.2f}x | {nbytes / a / 1e9:.1f} | "
-                     f"{nbytes / b / 1e9:.1f} |")
+                     f"{nbytes / b / 1e9:.1f} | {best['bf16'] * 1e6:.1f} | {best['fp16'] * 1e6:.1f} | "
+                     f"{b / best['bf16']:.2f}x, {b / best['fp16']:.2f}x |")
     return lines
 
 

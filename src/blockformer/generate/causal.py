@@ -73,12 +73,7 @@ def generate(
     narrower one halves the cache's bytes and rounds its keys and values (``step.resolve_kv_dtype``).
     """
     sampling = Sampling(temperature, top_k, top_p, do_sample)
-    check_token_count("max_new_tokens", max_new_tokens)
-    check_token_count("min_new_tokens", min_new_tokens)
-    if min_new_tokens > max_new_tokens:
-        raise UsageError(f"min_new_tokens: {min_new_tokens} exceeds max_new_tokens={max_new_tokens}; expected at "
-                         "most that")
-    check_int(check_every, "check_every", 1)
+    _check_counts(max_new_tokens, min_new_tokens, check_every)
     kv_dtype = resolve_kv_dtype(kv_cache_dtype)
     stop_sequences = check_decoding_args(model, eos_id, pad_id, seed, generator, on_token, stop, stop_sequences)
     device = model_device(model)
@@ -98,6 +93,15 @@ def generate(
             steps = _RecomputedSteps(model, batch, window)
         out = _decode(steps, max_new_tokens, sampling, generator, ending, pad_id, check_every)
     return _trim(out.tolist(), eos_id, stop_sequences, ending.cuts)
+
+
+def _check_counts(max_new_tokens: int, min_new_tokens: int, check_every: int) -> None:
+    check_token_count("max_new_tokens", max_new_tokens)
+    check_token_count("min_new_tokens", min_new_tokens)
+    if min_new_tokens > max_new_tokens:
+        raise UsageError(f"min_new_tokens: {min_new_tokens} exceeds max_new_tokens={max_new_tokens}; expected at "
+                         "most that")
+    check_int(check_every, "check_every", 1)
 
 
 def _decode(steps, N: int, sampling: Sampling, generator, ending: _Ending, pad_id: int, check_every: int):

@@ -120,8 +120,8 @@ def test_the_choice_is_fp32_inference_on_one_query_token():
 def test_a_narrow_cache_holds_its_dtype_and_each_path_reads_it_alike(dtype, monkeypatch):
     """kv_cache_dtype: the cache holds bf16/fp16 under an fp32 model; the eager step's kernel reads it
     in place and SDPA (the kernel off, or a padded batch's mask) an fp32 copy: the same tokens. Its
-    logits differ from an fp32 cache's by the rounding alone (measured here: at most 0.02 on logits of
-    about 10; an unrounded copy would give 0, a cache cast to the wrong type far more)."""
+    logits differ from an fp32 cache's by the rounding alone (measured here: 0.092 for bf16, 0.0046 for
+    fp16, on logits up to 9.1; an unrounded cache would give 0, one read as the wrong type far more)."""
     from blockformer.nn.kv_cache import KVCache
 
     model, held, calls = make(), set(), []
@@ -144,7 +144,7 @@ def test_a_narrow_cache_holds_its_dtype_and_each_path_reads_it_alike(dtype, monk
             model(ids[:, :4], cache=cache, cache_pos=torch.arange(4))
             logits[name] = model(ids[:, 4:], cache=cache, cache_pos=torch.tensor([4]))[0, -1]
         gap = (logits[dtype] - logits["fp32"]).abs().max().item()
-        assert 0 < gap < 0.05 * logits["fp32"].abs().max().item(), gap
+        assert 0 < gap < {"bf16": 0.02, "fp16": 0.002}[dtype] * logits["fp32"].abs().max().item(), gap
 
 
 def test_kv_cache_dtype_is_checked():

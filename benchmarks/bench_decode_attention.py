@@ -45,7 +45,7 @@ def attention_alone(slots: list[int], rounds: int, heads: int, head_dim: int, la
         vs = [torch.randn(1, heads, S, head_dim) for _ in range(layers)]
         narrow = {dtype: ([k.to(dtype) for k in ks], [v.to(dtype) for v in vs]) for dtype in (torch.bfloat16, torch.float16)}
         q = torch.randn(1, heads, 1, head_dim)
-        torch.testing.assert_close(decode_attention(q, ks[0], vs[0], head_dim ** -0.5),
+        torch.testing.assert_close(decode_attention(q, ks[0], vs[0], None, head_dim ** -0.5),
                                    F.scaled_dot_product_attention(q, ks[0], vs[0]), rtol=1e-5, atol=1e-5)
         caches = {"sdpa": (ks, vs), "kernel": (ks, vs), "bf16": narrow[torch.bfloat16], "fp16": narrow[torch.float16]}
         best = dict.fromkeys(caches, float("inf"))
@@ -58,7 +58,7 @@ def attention_alone(slots: list[int], rounds: int, heads: int, head_dim: int, la
                         if name == "sdpa":
                             F.scaled_dot_product_attention(q, k, v)
                         else:
-                            torch.ops.blockformer_c.decode_attention(q, k, v, head_dim ** -0.5)
+                            torch.ops.blockformer_c.decode_attention(q, k, v, None, head_dim ** -0.5)
                     best[name] = min(best[name], (time.perf_counter() - t) / layers)
         nbytes = 2 * heads * S * head_dim * 4
         a, b = best["sdpa"], best["kernel"]

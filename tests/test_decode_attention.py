@@ -1,6 +1,8 @@
-"""csrc/decode_attention.c: one new token per row over every cached slot equals SDPA, over a
-cache of fp32, bf16 or fp16, and the eager CPU decode step takes it exactly where its mask would
-be all True."""
+"""csrc/decode_attention.c: one new token per row over the cached slots its key mask keeps equals
+SDPA, over a cache of fp32, bf16 or fp16, and decoding on a CPU takes it at every step: unpadded,
+padded, across to a source, and compiled."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ def test_the_kernel_equals_sdpa_over_a_slice_of_a_longer_cache(cap, monkeypatch)
             cache_k, cache_v = torch.randn(2, B, Hkv, S + 9, D, generator=g) * 3  # the first S slots are read
             k, v = cache_k[:, :, :S], cache_v[:, :, :S]
             want = F.scaled_dot_product_attention(q, k, v, enable_gqa=H != Hkv, scale=0.3)
-            torch.testing.assert_close(DECODE.decode_attention(q, k, v, 0.3), want, rtol=1e-5, atol=5e-5)  # values ~3
+            torch.testing.assert_close(DECODE.decode_attention(q, k, v, None, 0.3), want, rtol=1e-5, atol=5e-5)  # values ~3
 
 
 @pytest.mark.parametrize("cap", [None, "avx2", "default"])
@@ -49,7 +51,7 @@ def test_the_kernel_reads_a_narrow_cache_as_sdpa_reads_it_widened(cap, dtype, mo
                 k, v = cache_k[:, :, :S], cache_v[:, :, :S]
                 want = F.scaled_dot_product_attention(q, k.float(), v.float(), enable_gqa=H != Hkv, scale=0.3)
                 atol = 5e-5 * max(v.float().abs().amax().item(), 1e-30) / 3  # for values ~3, as over fp32
-                torch.testing.assert_close(DECODE.decode_attention(q, k, v, 0.3), want, rtol=1e-5, atol=atol)
+                torch.testing.assert_close(DECODE.decode_attention(q, k, v, None, 0.3), want, rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("cap", [None, "avx2", "default"])
@@ -61,23 +63,64 @@ def test_every_bf16_and_fp16_value_is_widened_exactly(cap, monkeypatch):
         for dtype in (torch.bfloat16, torch.float16):
             for D in (65536, 65520):
                 v = every[:D].view(dtype).view(1, 1, 1, D)
-                out = DECODE.decode_attention(torch.zeros(1, 1, 1, D), torch.zeros_like(v), v, 1.0)
+                out = DECODE.decode_attention(torch.zeros(1, 1, 1, D), torch.zeros_like(v), v, None, 1.0)
                 torch.testing.assert_close(out, v.float(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("cap", [None, "avx2", "default"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_skips_the_slots_a_key_mask_hides_as_sdpa_does(cap, dtype, monkeypatch):
+    """SDPA's bool key mask, one row per batch row or one for all, contiguous or not: the masked slots
+    hold NaN and inf, which SDPA's weights of 0 would not remove (0 * inf) and the kernel never reads.
+    A row with every slot masked gives zeros."""
+    with kernels_built_for(cap, monkeypatch, DECODE.kernel):
+        g = torch.Generator().manual_seed(2)
+        for B, H, Hkv, S, D in SHAPES:
+            q = torch.randn(B, H, 1, D, generator=g)
+            k, v = (torch.randn(2, B, Hkv, S, D, generator=g) * 3).to(dtype)
+            for rows in (B, 1):
+                keep = torch.rand(rows, 1, 1, S, generator=g) < 0.7
+                keep[..., 0] = True  # every row keeps a slot
+                wide = torch.zeros(rows, 1, 1, 2 * S, dtype=torch.bool)
+                wide[..., ::2] = keep  # the same mask, its slots two bytes apart
+                want = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=keep, enable_gqa=H != Hkv,
+                                                      scale=0.3)
+                hidden_k, hidden_v = k.masked_fill(~keep.transpose(2, 3), float("nan")), v.masked_fill(
+                    ~keep.transpose(2, 3), float("inf"))
+                for mask in (keep, wide[..., ::2]):
+                    out = DECODE.decode_attention(q, hidden_k, hidden_v, mask, 0.3)
+                    torch.testing.assert_close(out, want, rtol=1e-5, atol=5e-5)
+            none = torch.zeros(B, 1, 1, S, dtype=torch.bool)
+            none[0] = True  # row 0 sees every slot, the others none
+            out = DECODE.decode_attention(q, k, v, none, 0.3)
+            assert out[1:].abs().max() == 0 if B > 1 else True
+            torch.testing.assert_close(out[:1], DECODE.decode_attention(q[:1], k[:1], v[:1], None, 0.3))
+            with pytest.raises(ValueError, match=r"mask: \(1, 1, 2, \d+\) torch.bool; expected bool \(B or 1, 1, 1, "):
+                DECODE.decode_attention(q, k, v, torch.ones(1, 1, 2, S, dtype=torch.bool), 0.3)
 
 
 def test_the_cpp_operator_gives_the_same_and_checks_its_shapes():
     assert DECODE.kernel() is not None and native.CPP_OPS
     q, k, v = torch.randn(2, 4, 1, 32), torch.randn(2, 2, 10, 32), torch.randn(2, 2, 10, 32)
-    torch.testing.assert_close(torch.ops.blockformer_c.decode_attention(q, k, v, 0.25),
-                               DECODE.decode_attention(q, k, v, 0.25), rtol=0, atol=0)
+    torch.testing.assert_close(torch.ops.blockformer_c.decode_attention(q, k, v, None, 0.25),
+                               DECODE.decode_attention(q, k, v, None, 0.25), rtol=0, atol=0)
+    keep = torch.rand(2, 1, 1, 20) < 0.5
+    keep[..., 0] = True
+    for mask in (keep[..., :10], keep[..., ::2], keep[:1, ..., :10]):  # rows apart, slots apart, one for all
+        torch.testing.assert_close(torch.ops.blockformer_c.decode_attention(q, k, v, mask, 0.25),
+                                   DECODE.decode_attention(q, k, v, mask, 0.25), rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="expected q"):
-        torch.ops.blockformer_c.decode_attention(q, k[:, :, :, :16], v[:, :, :, :16], 0.25)
+        torch.ops.blockformer_c.decode_attention(q, k[:, :, :, :16], v[:, :, :, :16], None, 0.25)
+    with pytest.raises(RuntimeError, match=r"expected a bool mask \(B or 1, 1, 1, S\)"):
+        torch.ops.blockformer_c.decode_attention(q, k, v, keep[..., :10].float(), 0.25)
+    with pytest.raises(RuntimeError, match=r"expected a bool mask \(B or 1, 1, 1, S\)"):
+        torch.ops.blockformer_c.decode_attention(q, k, v, keep, 0.25)  # 20 slots, not 10
     for dtype in (torch.bfloat16, torch.float16):
-        torch.testing.assert_close(torch.ops.blockformer_c.decode_attention(q, k.to(dtype), v.to(dtype), 0.25),
-                                   DECODE.decode_attention(q, k.to(dtype), v.to(dtype), 0.25), rtol=0, atol=0)
+        torch.testing.assert_close(torch.ops.blockformer_c.decode_attention(q, k.to(dtype), v.to(dtype), None, 0.25),
+                                   DECODE.decode_attention(q, k.to(dtype), v.to(dtype), None, 0.25), rtol=0, atol=0)
     for wrong in [(q, k.bfloat16(), v.half()), (q.bfloat16(), k.bfloat16(), v.bfloat16()), (q, k.double(), v.double())]:
         with pytest.raises(RuntimeError, match="expected an fp32 q, and k, v both fp32, bf16 or fp16"):
-            torch.ops.blockformer_c.decode_attention(*wrong, 0.25)
+            torch.ops.blockformer_c.decode_attention(*wrong, None, 0.25)
 
 
 def make():
@@ -86,19 +129,19 @@ def make():
     return build_model(cfg, seed=0).eval()
 
 
-def test_eager_decoding_takes_the_kernel_at_each_unpadded_step_and_gives_sdpas_tokens(monkeypatch):
+def test_eager_decoding_takes_the_kernel_at_every_step_padded_or_not_and_gives_sdpas_tokens(monkeypatch):
     model, calls = make(), []
     call = native.call
     monkeypatch.setattr(ATTENTION.native, "call", lambda fn, *a: calls.append(fn.__name__) or call(fn, *a))
     ours = generate(model, [[5, 6, 7]], 6, temperature=0)
     assert calls == ["decode_attention"] * 3 * 5  # each layer of the 5 steps after the prompt's
+    padded = generate(model, [[5, 6, 7], [8]], 4, temperature=0)  # left-padded: the kernel with its key mask
+    assert calls == ["decode_attention"] * 3 * (5 + 3)
+    assert padded == [ours[0][:4], generate(model, [[8]], 4, temperature=0)[0]]  # the padding unseen
+    calls.clear()
     monkeypatch.setattr(kernels, "DECODE_ATTENTION_KERNEL", False)
     assert generate(model, [[5, 6, 7]], 6, temperature=0) == ours
-    assert len(calls) == 15
-
-    calls.clear()  # a left-padded batch keeps SDPA and its mask
-    monkeypatch.setattr(kernels, "DECODE_ATTENTION_KERNEL", True)
-    generate(model, [[5, 6, 7], [8]], 4, temperature=0)
+    assert generate(model, [[5, 6, 7], [8]], 4, temperature=0) == padded
     assert calls == []
 
 
@@ -113,6 +156,12 @@ def test_the_choice_is_fp32_inference_on_one_query_token():
         assert not kernels.decode_attention_kernel(q, k.double(), k.double())
         assert not kernels.decode_attention_kernel(torch.randn(1, 4, 2, 32), k, k)  # two query tokens
         assert not kernels.decode_attention_kernel(q, k.transpose(2, 3), k.transpose(2, 3))  # slots not contiguous
+        for keys in [(1, 1, 1, 9), (3, 1, 1, 9)]:  # a key mask: one row for all, or one per row
+            assert kernels.decode_attention_kernel(q.expand(3, -1, -1, -1), k.expand(3, -1, -1, -1),
+                                                   k.expand(3, -1, -1, -1), torch.ones(keys, dtype=torch.bool))
+        for mask in [torch.ones(1, 1, 1, 9), torch.ones(1, 4, 1, 9, dtype=torch.bool),  # a bias; one per head
+                     torch.ones(1, 1, 1, 8, dtype=torch.bool), torch.ones(2, 1, 1, 9, dtype=torch.bool)]:
+            assert not kernels.decode_attention_kernel(q, k, k, mask)
     assert not kernels.decode_attention_kernel(q, k, k)  # autograd on: the kernel has no backward
 
 
@@ -145,6 +194,53 @@ def test_a_narrow_cache_holds_its_dtype_and_each_path_reads_it_alike(dtype, monk
             logits[name] = model(ids[:, 4:], cache=cache, cache_pos=torch.tensor([4]))[0, -1]
         gap = (logits[dtype] - logits["fp32"]).abs().max().item()
         assert 0 < gap < {"bf16": 0.02, "fp16": 0.002}[dtype] * logits["fp32"].abs().max().item(), gap
+
+
+def test_a_compiled_step_takes_the_kernel_and_never_reads_the_slots_it_has_not_written(monkeypatch):
+    """Under torch.compile the step attends over every slot of its cache, with a mask; through the
+    kernel a masked slot is not read. The cache's slots start as NaN: SDPA's weights of 0 keep them
+    (0 * NaN), so with the kernel off the compiled step's logits would be NaN. A bf16 cache, a padded
+    batch: the compiled tokens are the eager ones."""
+    from blockformer.generate import step as STEP
+    from blockformer.nn.kv_cache import KVCache
+
+    assert DECODE.kernel() is not None and native.CPP_OPS
+    init = KVCache.__init__
+
+    def nan_cache(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for t in [*self.k, *self.v]:
+            t.fill_(float("nan"))
+
+    monkeypatch.setattr(KVCache, "__init__", nan_cache)
+    model, prompts = make(), [[5, 6, 7], [8]]
+    eager = generate(model, prompts, 6, temperature=0, kv_cache_dtype="bf16")
+    assert eager == [generate(model, [p], 6, temperature=0, kv_cache_dtype="bf16")[0] for p in prompts]
+    monkeypatch.setattr(STEP, "_COMPILED", {})
+    assert generate(model, prompts, 6, temperature=0, kv_cache_dtype="bf16", compile=True) == eager
+
+
+def test_seq2seq_decoding_attends_to_its_source_through_the_kernel(monkeypatch):
+    """Greedy and beam decoding of an encoder-decoder: self-attention over the target's cache and
+    cross-attention over the padded sources' keys both take the kernel, with the source's key mask,
+    and give SDPA's tokens."""
+    from blockformer.generate import beam_search, greedy_decode
+
+    cfg = TransformerConfig(arch="encoder-decoder", vocab_size=40, d_model=64, n_layers=2, n_heads=4,
+                            max_seq_len=32, position="sinusoidal", init_std=0.5)
+    model, calls, call = build_model(cfg, seed=0).eval(), [], native.call
+    monkeypatch.setattr(ATTENTION.native, "call", lambda fn, *a: calls.append(fn.__name__) or call(fn, *a))
+    sources = [[5, 6, 7, 8, 9, 10], [11, 12]]
+    greedy, beams = greedy_decode(model, sources, max_len=8), beam_search(model, sources, beam_size=3, max_len=8)
+    assert calls.count("decode_attention") >= 2 * 2 * 7  # self and cross, in each layer, at each step
+    assert greedy[1] == greedy_decode(model, sources[1:], max_len=8)[0]  # the padding unseen
+    calls.clear()
+    monkeypatch.setattr(kernels, "DECODE_ATTENTION_KERNEL", False)
+    assert greedy_decode(model, sources, max_len=8) == greedy
+    sdpa_beams = beam_search(model, sources, beam_size=3, max_len=8)
+    assert [[h.tokens for h in b] for b in sdpa_beams] == [[h.tokens for h in b] for b in beams]
+    assert [h.log_prob for b in sdpa_beams for h in b] == pytest.approx([h.log_prob for b in beams for h in b], 1e-5)
+    assert calls == []
 
 
 def test_kv_cache_dtype_is_checked():

@@ -41,20 +41,29 @@ def unfused_attention(device: torch.device, dtype: torch.dtype, n_keys: int, dro
         dtype == torch.bfloat16 and n_keys <= CPU_BF16_UNFUSED_MAX_KEYS and UNFUSED_SHORT_BF16))
 
 
-# One new token per row that sees every cached slot (eager decoding on a CPU; nn/decode_attention.py)
-# attends through csrc/decode_attention.c rather than SDPA: with the cache out of the caches, as in a
-# step, 1.17-1.71x faster at 80 to 1024 slots on a 2-core Zen 4 EPYC, natively and capped at AVX2, and
-# 1-7% of a GPT-2-small step (BENCHMARKS.md "Decode attention from a cache that is not in the caches").
+# One new token per row (decoding on a CPU; nn/decode_attention.py) attends through csrc/decode_attention.c
+# rather than SDPA, with the step's key mask if it has one: with the cache out of the caches, as in a step,
+# 1.17-1.71x faster at 80 to 1024 slots on a 2-core Zen 4 EPYC, natively and capped at AVX2, and 1-7% of a
+# GPT-2-small step (BENCHMARKS.md "Decode attention from a cache that is not in the caches"); a padded
+# batch and a compiled step too (BENCHMARKS.md "Decode attention with a key mask").
 DECODE_ATTENTION_KERNEL = True
 
 
-def decode_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether one query token per row (``q`` (B, H, 1, D)) over every slot of ``k``/``v`` takes that
-    kernel: fp32 queries on the CPU, over a cache of fp32, bf16 or fp16, inference, eager (a compiled step
-    keeps SDPA, and its mask)."""
+def decode_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                            compiled_ok: bool = False) -> bool:
+    """Whether one query token per row (``q`` (B, H, 1, D)) over the slots of ``k``/``v`` takes that kernel:
+    fp32 queries on the CPU, over a cache of fp32, bf16 or fp16, inference, with no mask or a bool key mask
+    (B or 1, 1, 1, S); eager, or compiled where ``compiled_ok`` (its C++ operator is loaded)."""
     return (DECODE_ATTENTION_KERNEL and q.device.type == "cpu" and q.shape[2] == 1 and q.dtype == torch.float32
             and k.dtype == v.dtype in (torch.float32, torch.bfloat16, torch.float16) and k.stride(-1) == v.stride(-1) == 1
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+            and (mask is None or _key_mask(mask, q.shape[0], k.shape[2]))
+            and not torch.is_grad_enabled() and (compiled_ok or not torch.compiler.is_compiling()))
+
+
+def _key_mask(mask: torch.Tensor, B: int, S: int) -> bool:
+    """A bool mask of keys alone, one row per batch row or one for all: (B or 1, 1, 1, S)."""
+    return (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, B) and mask.shape[1] == 1
+            and mask.shape[2] == 1 and mask.shape[3] == S)
 
 
 # --- the output head fused with the loss (nn/loss.py) ------------------------------------

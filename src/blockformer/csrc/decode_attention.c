@@ -1,9 +1,12 @@
-/* Decode attention over a cache of keys and values laid out by head: one query token per row, and
- * every slot visible (the caller takes this kernel only where the step's mask would be all True:
- * KVCache.sees_every_slot).
+/* Decode attention over a cache of keys and values laid out by head: one query token per row, over
+ * every slot, or over those a per-row key mask keeps (a left-padded batch, a source's padding in
+ * cross-attention, the slots a compiled step has not written yet).
  *
  * For rows b and query heads h, with G = H / Hkv query heads per key/value head (GQA):
- *     out[b, h] = sum_s p[s] v[b, h / G, s],  p = softmax_s(scale q[b, h] . k[b, h / G, s]),  s < S
+ *     out[b, h] = sum_s p[s] v[b, h / G, s],  p = softmax_s(scale q[b, h] . k[b, h / G, s]),  s < S, mask[b, s]
+ * `mask` is NULL (every slot) or one byte per slot, 0 or 1, row b's at mask + b * mb (mb 0: one row for
+ * all). A masked slot is neither read nor weighed, so its keys and values may hold anything; a row with
+ * every slot masked gives zeros.
  * k[b, j, s] starts at k + b * kb + j * kh + s * ks (in values; each slot's D values contiguous),
  * and the same for v. The cache holds fp32, bf16 or fp16 (`kv`: 0, 1, 2; a cache kept narrower than
  * the model computes, KVCache's `dtype`): each value is widened to fp32 as it is read, so a narrow
@@ -15,7 +18,7 @@
  * runtime, so a group's query heads share a thread and its keys stay in cache. `scores` holds S
  * floats per thread. AVX2 and FMA where D is a multiple of 32 (F16C for fp16); plain C elsewhere.
  */
-#include <float.h>
+#include <stddef.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -65,20 +68,21 @@ static inline float hsum8(__m256 v) {
  * (and, vectorised, eight_NAME). With AVX2: q . k in two independent sums, and 32 outputs at a time
  * with their 4 sums in registers. */
 #ifdef VECTOR
-#define VECTOR_BODIES(NAME, T)                                                                                      \
+#define VECTOR_BODIES(NAME, T)                                                                                     \
 static inline float dot_##NAME(const float *q, const T *k, int64_t D) {                                            \
     __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();                                                       \
     for (int64_t d = 0; d < D; d += 16) {                                                                          \
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), eight_##NAME(k + d), a);                                        \
-        b = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), eight_##NAME(k + d + 8), b);                                \
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), eight_##NAME(k + d), a);                                       \
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), eight_##NAME(k + d + 8), b);                               \
     }                                                                                                              \
     return hsum8(_mm256_add_ps(a, b));                                                                             \
 }                                                                                                                  \
-static void weigh32_##NAME(const float *w, const T *v, int64_t vs, int64_t S, float *out) {                        \
+static void weigh32_##NAME(const float *w, const T *v, const uint8_t *m, int64_t vs, int64_t S, float *out) {      \
     __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;                                                    \
     for (int64_t s = 0; s < S; s++) {                                                                              \
         const T *r = v + s * vs;                                                                                   \
-        __builtin_prefetch(r + AHEAD * vs, 0, 3);                                                                  \
+        if (!m || s + AHEAD >= S || m[s + AHEAD]) __builtin_prefetch(r + AHEAD * vs, 0, 3);                        \
+        if (m && !m[s]) continue;                                                                                  \
         const __m256 p = _mm256_set1_ps(w[s]);                                                                     \
         o0 = _mm256_fmadd_ps(p, eight_##NAME(r), o0);                                                              \
         o1 = _mm256_fmadd_ps(p, eight_##NAME(r + 8), o1);                                                          \
@@ -89,9 +93,9 @@ static void weigh32_##NAME(const float *w, const T *v, int64_t vs, int64_t S, fl
         _mm256_storeu_ps(out + 24, o3);                                                                            \
 }
 #define VECTOR_DOT(NAME) if (D % 32 == 0) acc = dot_##NAME(q, r, D); else
-#define VECTOR_WEIGH(NAME)                                                                                          \
+#define VECTOR_WEIGH(NAME)                                                                                         \
     if (D % 32 == 0) {                                                                                             \
-        for (int64_t d = 0; d < D; d += 32) weigh32_##NAME(p, v + d, vs, S, out + d);                              \
+        for (int64_t d = 0; d < D; d += 32) weigh32_##NAME(p, v + d, m, vs, S, out + d);                           \
         return;                                                                                                    \
     }
 #else
@@ -102,13 +106,17 @@ static void weigh32_##NAME(const float *w, const T *v, int64_t vs, int64_t S, fl
 
 #define HEAD(NAME, T)                                                                                              \
 VECTOR_BODIES(NAME, T)                                                                                             \
-static void head_##NAME(const float *q, const void *k_, const void *v_, float *out, float *p, int64_t S, int64_t D, \
-                        int64_t ks, int64_t vs, float scale) {                                                     \
+static void head_##NAME(const float *q, const void *k_, const void *v_, const uint8_t *m, float *out, float *p,    \
+                        int64_t S, int64_t D, int64_t ks, int64_t vs, float scale) {                               \
     const T *k = (const T *)k_, *v = (const T *)v_;                                                                \
-    float top = -FLT_MAX;                                                                                          \
+    float top = -INFINITY;                                                                                         \
     for (int64_t s = 0; s < S; s++) {                                                                              \
         const T *r = k + s * ks;                                                                                   \
-        prefetch_row(r + AHEAD * ks, D * (int64_t)sizeof(T));                                                      \
+        if (!m || s + AHEAD >= S || m[s + AHEAD]) prefetch_row(r + AHEAD * ks, D * (int64_t)sizeof(T));            \
+        if (m && !m[s]) {                                                                                          \
+            p[s] = -INFINITY;                                                                                      \
+            continue;                                                                                              \
+        }                                                                                                          \
         float acc;                                                                                                 \
         VECTOR_DOT(NAME) {                                                                                         \
             acc = 0.0f;                                                                                            \
@@ -118,14 +126,16 @@ static void head_##NAME(const float *q, const void *k_, const void *v_, float *o
         top = p[s] > top ? p[s] : top;                                                                             \
     }                                                                                                              \
     float sum = 0.0f;                                                                                              \
+    if (top == -INFINITY) top = 0.0f; /* every slot masked: each weight below is 0 */                              \
     for (int64_t s = 0; s < S; s++) sum += (p[s] = expf(p[s] - top));                                              \
-    const float inv = 1.0f / sum;                                                                                  \
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;                                                              \
     for (int64_t s = 0; s < S; s++) p[s] *= inv;                                                                   \
     VECTOR_WEIGH(NAME)                                                                                             \
     for (int64_t d = 0; d < D; d++) out[d] = 0.0f;                                                                 \
     for (int64_t s = 0; s < S; s++) {                                                                              \
         const T *r = v + s * vs;                                                                                   \
-        prefetch_row(r + AHEAD * vs, D * (int64_t)sizeof(T));                                                      \
+        if (!m || s + AHEAD >= S || m[s + AHEAD]) prefetch_row(r + AHEAD * vs, D * (int64_t)sizeof(T));            \
+        if (m && !m[s]) continue;                                                                                  \
         for (int64_t d = 0; d < D; d++) out[d] += p[s] * one_##NAME(r + d);                                        \
     }                                                                                                              \
 }
@@ -134,14 +144,14 @@ HEAD(f32, float)
 HEAD(bf16, uint16_t)
 HEAD(f16, uint16_t)
 
-typedef void (*head_fn)(const float *, const void *, const void *, float *, float *, int64_t, int64_t, int64_t, int64_t,
-                        float);
+typedef void (*head_fn)(const float *, const void *, const void *, const uint8_t *, float *, float *, int64_t, int64_t,
+                        int64_t, int64_t, float);
 
 /* q: (B, H, D) contiguous fp32; out: (B, H, D); k and v of type `kv` (0 fp32, 1 bf16, 2 fp16), their strides in
- * values: (kb, kh, ks), (vb, vh, vs) */
-void decode_attention_f32(const float *q, const void *k, const void *v, float *out, float *scores, int64_t B,
-                          int64_t H, int64_t Hkv, int64_t S, int64_t D, int64_t kb, int64_t kh, int64_t ks, int64_t vb,
-                          int64_t vh, int64_t vs, int64_t threads, int64_t kv, float scale) {
+ * values: (kb, kh, ks), (vb, vh, vs); mask: NULL, or S bytes a row, mb apart */
+void decode_attention_f32(const float *q, const void *k, const void *v, const uint8_t *mask, float *out, float *scores,
+                          int64_t B, int64_t H, int64_t Hkv, int64_t S, int64_t D, int64_t kb, int64_t kh, int64_t ks,
+                          int64_t vb, int64_t vh, int64_t vs, int64_t mb, int64_t threads, int64_t kv, float scale) {
     const head_fn head = kv == 1 ? head_bf16 : kv == 2 ? head_f16 : head_f32;
     const int64_t G = H / Hkv, pairs = B * H, size = kv == 0 ? 4 : 2;
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
@@ -149,6 +159,6 @@ void decode_attention_f32(const float *q, const void *k, const void *v, float *o
         for (int64_t i = pairs * t / threads; i < pairs * (t + 1) / threads; i++) {
             const int64_t b = i / H, j = i % H / G;
             head(q + i * D, (const char *)k + (b * kb + j * kh) * size, (const char *)v + (b * vb + j * vh) * size,
-                 out + i * D, scores + t * S, S, D, ks, vs, scale);
+                 mask ? mask + b * mb : NULL, out + i * D, scores + t * S, S, D, ks, vs, scale);
         }
 }

@@ -25,9 +25,9 @@ typedef void (*int4_fn)(const float *, const uint8_t *, const float *, const flo
                         int64_t, int64_t, int64_t, int64_t, int64_t);
 typedef void (*int8_a8_fn)(const float *, const int8_t *, const float *, const float *, float *, float *, int64_t,
                            int64_t, int64_t, int64_t);
-typedef void (*attention_fn)(const float *, const void *, const void *, float *, float *, int64_t, int64_t, int64_t,
+typedef void (*attention_fn)(const float *, const void *, const void *, const uint8_t *, float *, float *, int64_t,
                              int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                             float);
+                             int64_t, int64_t, int64_t, float);
 }
 
 static f32_fn f32_kernel;
@@ -133,8 +133,9 @@ at::Tensor int8_a8_matmul(const at::Tensor &x_, const at::Tensor &weight, const 
     return y;
 }
 
-/* one query token per row over every slot of k, v (nn/decode_attention.py says where it is used) */
-at::Tensor decode_attention(const at::Tensor &q_, const at::Tensor &k, const at::Tensor &v, double scale) {
+/* one query token per row over the slots of k, v that mask keeps (nn/decode_attention.py says where it is used) */
+at::Tensor decode_attention(const at::Tensor &q_, const at::Tensor &k, const at::Tensor &v,
+                            const std::optional<at::Tensor> &mask_, double scale) {
     TORCH_CHECK(attention_kernel, "blockformer_c: the kernels were not handed over");
     TORCH_CHECK(q_.dim() == 4 && q_.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == q_.size(0) &&
                     k.size(3) == q_.size(3) && q_.size(1) % k.size(1) == 0,
@@ -145,13 +146,25 @@ at::Tensor decode_attention(const at::Tensor &q_, const at::Tensor &k, const at:
                     (kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf) && k.stride(3) == 1 && v.stride(3) == 1,
                 "decode_attention: expected an fp32 q, and k, v both fp32, bf16 or fp16 with each slot's values "
                 "contiguous");
+    const int64_t B = q_.size(0), H = q_.size(1), S = k.size(2), threads = pieces(B * H);
+    at::Tensor mask;  // undefined: every slot
+    if (mask_.has_value()) {
+        const at::Tensor &m = *mask_;
+        TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && (m.size(0) == 1 || m.size(0) == B) &&
+                        m.size(1) == 1 && m.size(2) == 1 && m.size(3) == S,
+                    "decode_attention: expected a bool mask (B or 1, 1, 1, S), got ", m.sizes(), " ", m.scalar_type());
+        mask = m.select(2, 0).select(1, 0);
+        if (mask.stride(1) != 1) mask = mask.contiguous();
+    }
     const at::Tensor q = q_.contiguous();
     at::Tensor out = at::empty_like(q);
-    const int64_t B = q.size(0), H = q.size(1), S = k.size(2), threads = pieces(B * H);
     at::Tensor scores = at::empty({threads * S}, q.options());
-    attention_kernel(q.data_ptr<float>(), k.data_ptr(), v.data_ptr(), out.data_ptr<float>(), scores.data_ptr<float>(),
-                     B, H, k.size(1), S, q.size(3), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-                     v.stride(2), threads, kv == at::kFloat ? 0 : kv == at::kBFloat16 ? 1 : 2, static_cast<float>(scale));
+    const auto *mask_ptr = mask.defined() ? static_cast<const uint8_t *>(mask.data_ptr()) : nullptr;
+    const int64_t mb = mask.defined() && mask.size(0) == B ? mask.stride(0) : 0;
+    attention_kernel(q.data_ptr<float>(), k.data_ptr(), v.data_ptr(), mask_ptr, out.data_ptr<float>(),
+                     scores.data_ptr<float>(), B, H, k.size(1), S, q.size(3), k.stride(0), k.stride(1), k.stride(2),
+                     v.stride(0), v.stride(1), v.stride(2), mb, threads, kv == at::kFloat ? 0 : kv == at::kBFloat16 ? 1 : 2,
+                     static_cast<float>(scale));
     return out;
 }
 
@@ -165,7 +178,7 @@ TORCH_LIBRARY(blockformer_c, m) {
     m.def("int4_a8_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group_size, "
           "Tensor? bias=None) -> Tensor");
     m.def("int8_a8_matmul(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor");
-    m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+    m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(blockformer_c, CPU, m) {

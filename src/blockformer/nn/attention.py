@@ -90,9 +90,9 @@ class Attention(nn.Module):
 
 
 def sdpa(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None = None) -> torch.Tensor:
-    if (mask is None and not is_causal and not dropout and kernels.decode_attention_kernel(q, k, v)
-            and decode_attention_built()):  # one new token over every cached slot, eager on a CPU
-        return native.call(decode_attention, q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
+    if (not is_causal and not dropout and kernels.decode_attention_kernel(q, k, v, mask, native.CPP_OPS)
+            and (torch.compiler.is_compiling() or decode_attention_built())):  # one new token per row, on a CPU
+        return native.call(decode_attention, q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale)
     k, v = cast(k, q.dtype), cast(v, q.dtype)  # a cache kept narrower than the model computes (KVCache.dtype)
     groups = q.shape[1] // k.shape[1]
     if mask is not None and mask.dtype != torch.bool:

@@ -12,7 +12,7 @@ from blockformer.cli import main
 from blockformer.run_config import load_run_config
 from blockformer.tokenizers import CharTokenizer
 from blockformer.train.load import load_checkpoint
-from blockformer.generate import generate
+from blockformer.generate import generate, speculative_generate
 from blockformer.tokenizers import EOS_ID
 
 def _sets(*items: str) -> list[str]:
@@ -102,8 +102,13 @@ def test_generate_keeps_its_cache_in_the_dtype_asked_for(lm_run, capsys):
         assert main([*cmd, "--kv-cache-dtype", dtype]) == 0
         assert capsys.readouterr().out == "def f" + ckpt.tokenizer.decode(ids) + "\n"
     assert "--kv-cache-dtype: invalid choice: 'int8'" in _error(capsys, [*cmd, "--kv-cache-dtype", "int8"])
-    err = _error(capsys, [*cmd, "--kv-cache-dtype", "bf16", "--draft", str(run_dir)])
-    assert "--draft: not combined with --min-new-tokens, --compile or --kv-cache-dtype" in err
+    out = speculative_generate(ckpt.model, ckpt.model, [ckpt.tokenizer.encode("def f")], 30, temperature=0,
+                               eos_id=EOS_ID, kv_cache_dtype="bf16")  # its own draft: every proposal taken
+    assert out.accepted == out.proposed > 0
+    assert main([*cmd, "--kv-cache-dtype", "bf16", "--draft", str(run_dir)]) == 0
+    assert capsys.readouterr().out == "def f" + ckpt.tokenizer.decode(out.tokens[0]) + "\n"
+    assert "--draft: not combined with --min-new-tokens or --compile" in _error(capsys, [*cmd, "--compile", "--draft",
+                                                                                      str(run_dir)])
 
 
 def test_quantized_generate_keeps_the_float_models_greedy_tokens(tmp_path, capsys):

@@ -243,6 +243,36 @@ def test_seq2seq_decoding_attends_to_its_source_through_the_kernel(monkeypatch):
     assert calls == []
 
 
+def test_seq2seq_and_speculative_decoding_keep_the_cache_in_the_dtype_asked_for(monkeypatch):
+    """kv_cache_dtype in greedy and beam decoding (the cross-attention keys too) and in speculative
+    decoding (both caches): every decode step reads bf16 keys, and the kernel and SDPA give the same
+    tokens; speculative greedy decoding gives ``generate``'s tokens over the same narrow cache."""
+    from blockformer.generate import beam_search, greedy_decode, speculative_generate
+
+    cfg = TransformerConfig(arch="encoder-decoder", vocab_size=40, d_model=64, n_layers=2, n_heads=4,
+                            max_seq_len=32, position="sinusoidal", init_std=0.5)
+    seq2seq, read = build_model(cfg, seed=0).eval(), []
+    sdpa = ATTENTION.sdpa
+    monkeypatch.setattr(ATTENTION, "sdpa", lambda q, k, *a: (q.shape[2] == 1 and read.append(k.dtype)) or sdpa(q, k, *a))
+    sources = [[5, 6, 7, 8, 9, 10], [11, 12]]
+    greedy = greedy_decode(seq2seq, sources, max_len=8, kv_cache_dtype="bf16")
+    beams = beam_search(seq2seq, sources, beam_size=3, max_len=8, kv_cache_dtype="bf16")
+    assert len(read) >= 2 * 2 * 7 and set(read) == {torch.bfloat16}, set(read)  # self and cross, each step
+    monkeypatch.setattr(kernels, "DECODE_ATTENTION_KERNEL", False)
+    assert greedy_decode(seq2seq, sources, max_len=8, kv_cache_dtype="bf16") == greedy
+    assert [[h.tokens for h in b] for b in beam_search(seq2seq, sources, beam_size=3, max_len=8,
+                                                       kv_cache_dtype="bf16")] == [[h.tokens for h in b] for b in beams]
+    monkeypatch.setattr(kernels, "DECODE_ATTENTION_KERNEL", True)
+
+    read.clear()
+    target, draft = make(), build_model(dataclasses.replace(make().cfg, n_layers=1), seed=1).eval()
+    out = speculative_generate(target, draft, [[5, 6, 7], [8]], 8, temperature=0, kv_cache_dtype="fp16")
+    assert read and set(read) == {torch.float16}
+    assert out.tokens == generate(target, [[5, 6, 7], [8]], 8, temperature=0, kv_cache_dtype="fp16")
+    with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8'; expected one of auto, fp32, bf16, fp16"):
+        greedy_decode(seq2seq, sources, max_len=8, kv_cache_dtype="fp8")
+
+
 def test_kv_cache_dtype_is_checked():
     with pytest.raises(ValueError, match="kv_cache_dtype: 'int8'; expected one of auto, fp32, bf16, fp16"):
         generate(make(), [[5, 6]], 2, temperature=0, kv_cache_dtype="int8")

@@ -149,6 +149,26 @@ def test_translate_cli_matches_library(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == expected
 
 
+def test_translate_cli_keeps_its_cache_in_the_dtype_asked_for(tmp_path, capsys, monkeypatch):
+    """``--kv-cache-dtype fp16``: the decoder's cache holds fp16, beam or greedy, and the output is the
+    library's with the same option."""
+    from blockformer.nn.kv_cache import KVCache
+
+    path, model, tok = _random_ckpt(tmp_path)
+    src = _write(tmp_path / "in.txt", ["abc", "ddee", "j"])
+    held, update = set(), KVCache.update
+    monkeypatch.setattr(KVCache, "update", lambda self, *a: held.add(self.dtype) or update(self, *a))
+    for beam in ("2", "1"):
+        assert main(["translate", "--checkpoint", str(path), "--input", src, "--beam", beam, "--max-len-b", "7",
+                     "--kv-cache-dtype", "fp16"]) == 0
+        expected = translate_texts(load_checkpoint(path).model, tok, ["abc", "ddee", "j"], beam_size=int(beam),
+                                   max_len_b=7, kv_cache_dtype="fp16")
+        assert capsys.readouterr().out.splitlines() == expected
+    assert held == {torch.float16}
+    assert main(["translate", "--checkpoint", str(path), "--input", src, "--kv-cache-dtype", "int8"]) == 2
+    assert "--kv-cache-dtype: invalid choice: 'int8'" in capsys.readouterr().err
+
+
 def test_decoder_checkpoint_is_a_usage_error(tmp_path, capsys):
     path, _, _ = _random_ckpt(tmp_path, arch="decoder")
     src = _write(tmp_path / "in.txt", ["hello"])

@@ -19,7 +19,7 @@ from ..errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .translate import add_quantize_argument  # noqa: PLC0415
+    from .translate import add_kv_cache_argument, add_quantize_argument  # noqa: PLC0415
 
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint or run directory")
     parser.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
@@ -40,13 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=None, metavar="CKPT",
                         help="speculative decoding: a small decoder checkpoint with the same tokenizer")
     parser.add_argument("--num-draft", type=int, default=None, metavar="K", help="tokens drafted per round (default 4)")
-
-
-def add_kv_cache_argument(parser: argparse.ArgumentParser) -> None:
-    """``--kv-cache-dtype`` (generate, serve): ``generate.step.resolve_kv_dtype`` reads it."""
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                        help="what the KV cache holds (auto: what attention computes in); bf16 or fp16 halve "
-                             "its bytes, rounding keys and values")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,9 +66,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--num-draft {args.num_draft}: drafts tokens for --draft CKPT; "
                          f"expected --draft with it")
     args.num_draft = 4 if args.num_draft is None else args.num_draft
-    if args.draft and (args.min_new_tokens or args.compile or args.kv_cache_dtype != "auto"):
-        raise UsageError("--draft: not combined with --min-new-tokens, --compile or --kv-cache-dtype; expected none "
-                         "of them")
+    if args.draft and (args.min_new_tokens or args.compile):
+        raise UsageError("--draft: not combined with --min-new-tokens or --compile; expected neither")
     if args.num_draft < 1:
         raise UsageError(f"--num-draft {args.num_draft}: expected an integer >= 1")
     if args.top_p is not None and not 0 < args.top_p <= 1:
@@ -118,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                      compile=args.compile, kv_cache_dtype=args.kv_cache_dtype, **options)
         else:
             out = speculative_generate(model, draft, [prompt_ids], args.max_new_tokens,
-                                       num_draft=args.num_draft, **options)
+                                       num_draft=args.num_draft, kv_cache_dtype=args.kv_cache_dtype, **options)
             print(f"speculative: {out.accepted}/{out.proposed} drafted tokens accepted "
                   f"({out.acceptance_rate:.0%}), {out.target_calls} target passes", file=sys.stderr)
         stream.finish()

@@ -30,8 +30,7 @@ SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client", "jinja2")  # pyproject
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .generate import add_kv_cache_argument  # noqa: PLC0415
-    from .translate import add_quantize_argument  # noqa: PLC0415
+    from .translate import add_kv_cache_argument, add_quantize_argument  # noqa: PLC0415
 
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint or run directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

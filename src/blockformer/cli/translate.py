@@ -38,6 +38,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, batch_default: int |
         parser.add_argument("--batch-size", type=int, default=batch_default, metavar="N",
                             help=f"sentences per batch, sorted by length (default {batch_default})")
     parser.add_argument("--compile", action="store_true", help="torch.compile the one-token decode step")
+    add_kv_cache_argument(parser)
 
 
 def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,13 @@ def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
                         help="weight-only int8 or int4 matmuls, or int4/int8 weights against activations rounded to "
                              "int8 (int4-a8, the fastest CPU kernel; int8-a8): faster decoding, slightly different "
                              "outputs")
+
+
+def add_kv_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """``--kv-cache-dtype`` (generate, serve, translate, eval): ``generate.step.resolve_kv_dtype`` reads it."""
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                        help="what the KV cache holds (auto: what attention computes in); bf16 or fp16 halve "
+                             "its bytes, rounding keys and values")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +81,7 @@ def translate_nbest(
     max_len_b: int | None = None,
     batch_size: int = 64,
     compile: bool = False,
+    kv_cache_dtype: str = "auto",
     progress: Callable[[int], object] | None = None,
 ) -> list[Hyps]:
     """The ``n_best`` best translations of each text, in input order.
@@ -81,7 +90,8 @@ def translate_nbest(
     ``batch_size`` at a time; blank lines translate to blank lines without decoding.
     The length limit is the library's default (source + 50) unless ``max_len_a`` or
     ``max_len_b`` is given: then ``a * longest source in the batch + b`` per batch.
-    ``progress(n)`` is called as each batch of ``n`` sentences finishes.
+    ``progress(n)`` is called as each batch of ``n`` sentences finishes. ``kv_cache_dtype``: what
+    the decoder's cache holds (``greedy_decode``).
     """
     from ..config import ADDITIVE_POSITIONS  # noqa: PLC0415
     from ..generate import beam_search, greedy_decode  # noqa: PLC0415
@@ -110,11 +120,11 @@ def translate_nbest(
             max_len = max(1, int(max_len_a * max(map(len, sources)) + (max_len_b or 0)))
             max_len = min(max_len, table) if table is not None else max_len
         if beam_size == 1:
-            outs = greedy_decode(model, sources, max_len=max_len, compile=compile)
+            outs = greedy_decode(model, sources, max_len=max_len, compile=compile, kv_cache_dtype=kv_cache_dtype)
             hyps = [[(out, math.nan)] for out in outs]
         else:
             found = beam_search(model, sources, beam_size=beam_size, alpha=alpha, max_len=max_len,
-                                n_best=n_best, compile=compile)
+                                n_best=n_best, compile=compile, kv_cache_dtype=kv_cache_dtype)
             hyps = [[(h.tokens, h.score) for h in hs] for hs in found]
         for i, hs in zip(rows, hyps):
             results[i] = [(_one_line(tokenizer.decode(tokens)), score) for tokens, score in hs]
@@ -151,7 +161,8 @@ def _check_decoding(beam: int, alpha: float, n_best: int, a: float, b: int | Non
 def decoding_options(args: argparse.Namespace) -> dict[str, Any]:
     """``translate_nbest`` keyword arguments from the shared command-line options."""
     return {"beam_size": args.beam, "alpha": args.alpha, "max_len_a": args.max_len_a,
-            "max_len_b": args.max_len_b, "batch_size": args.batch_size, "compile": args.compile}
+            "max_len_b": args.max_len_b, "batch_size": args.batch_size, "compile": args.compile,
+            "kv_cache_dtype": args.kv_cache_dtype}
 
 
 def load_translator(checkpoint: str, device_name: str, precision: str, quantize: str | None = None,

@@ -22,7 +22,7 @@ from ..errors import UsageError
 from .batching import BOS_ID, EOS_ID
 from ..models.checks import check_int, check_real, trusted_inputs
 from .seq2seq import check_seq2seq_args, memory_mask as memory_mask_of, source_batch, target_limits
-from .step import eval_mode, prepare_step, seq2seq_step
+from .step import eval_mode, prepare_step, resolve_kv_dtype, seq2seq_step
 
 
 @dataclass
@@ -55,14 +55,17 @@ def beam_search(
     use_cache: bool = True,
     compile: bool = False,
     compile_mode: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> list[list[Hypothesis]]:
     """The ``n_best`` highest-scoring hypotheses (best first) for each source sentence.
 
     ``src`` (B, S) with ``src_mask`` (True = real token), or a list of id lists.
     ``max_len`` limits generated tokens (eos included); default: source length + 50. An
     ``eos_id`` outside the vocabulary never occurs: each hypothesis runs to that limit.
+    ``kv_cache_dtype``: what the cache holds (``greedy_decode``).
     """
     _check_beam_args(model, beam_size, n_best, alpha, bos_id, eos_id)
+    kv_dtype = resolve_kv_dtype(kv_cache_dtype)
     src, src_mask = source_batch(model, src, src_mask)
     limits = target_limits(model, src_mask, max_len)
     B, K, T = src.shape[0], beam_size, max(limits)
@@ -71,7 +74,7 @@ def beam_search(
     with eval_mode(model), trusted_inputs():  # ... and no step checks its tokens again
         rows = torch.arange(B, device=src.device).repeat_interleave(K)  # beam row -> sentence
         memory, memory_mask = encoded[rows], memory_mask_of(model, src_mask)[rows]  # (B*K, S, d)
-        decoder = _BeamDecoder(model, memory, memory_mask, B * K, T, use_cache, compile, compile_mode)
+        decoder = _BeamDecoder(model, memory, memory_mask, B * K, T, use_cache, compile, compile_mode, kv_dtype)
         beams = _Beams(B, K, T, limits, alpha, bos_id, eos_id, src.device)
         for t in range(T):
             index = beams.step(decoder.logits(beams.history, t), t)
@@ -96,11 +99,12 @@ def _check_beam_args(model: nn.Module, beam_size: int, n_best: int, alpha: float
 class _BeamDecoder:
     """The decoder's next-token logits for every beam row, its cache following the beams."""
 
-    def __init__(self, model, memory, memory_mask, rows: int, T: int, use_cache: bool, compile, compile_mode):
+    def __init__(self, model, memory, memory_mask, rows: int, T: int, use_cache: bool, compile, compile_mode,
+                 kv_dtype: torch.dtype | None = None):
         self.model, self.memory, self.memory_mask, self.use_cache = model, memory, memory_mask, use_cache
         if use_cache:
             self.cache, self.step = prepare_step(model, seq2seq_step, rows, T, compile=compile,
-                                                 compile_mode=compile_mode)
+                                                 compile_mode=compile_mode, kv_dtype=kv_dtype)
             self.cache_pos = torch.zeros(1, dtype=torch.long, device=memory.device)
 
     def logits(self, history: torch.Tensor, t: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from ..config import ADDITIVE_POSITIONS
 from ..errors import UsageError
 from ..models.checks import check_int, check_model, check_special_id, kind_of, trusted_inputs
 from .batching import BOS_ID, EOS_ID, PAD_ID, prepare_prompts
-from .step import eval_mode, model_device, prepare_step, seq2seq_step
+from .step import eval_mode, model_device, prepare_step, resolve_kv_dtype, seq2seq_step
 
 EXTRA_TARGET_LEN = 50  # default limit: source length + 50 (as in Vaswani et al. 2017)
 
@@ -90,11 +90,14 @@ def greedy_decode(
     compile: bool = False,
     compile_mode: str | None = None,
     check_every: int = 8,
+    kv_cache_dtype: str = "auto",
 ) -> list[list[int]]:
     """The most likely next token at each step, for each source sentence (B, S). An
-    ``eos_id`` outside the vocabulary never occurs: each sentence runs to its limit."""
+    ``eos_id`` outside the vocabulary never occurs: each sentence runs to its limit.
+    ``kv_cache_dtype``: what the cache holds, its cross-attention keys and values too (``generate``)."""
     check_seq2seq_args(model, bos_id, eos_id)
     check_int(check_every, "check_every", 1)
+    kv_dtype = resolve_kv_dtype(kv_cache_dtype)
     src, src_mask = source_batch(model, src, src_mask)
     limits = target_limits(model, src_mask, max_len)
     B, T, device = src.shape[0], max(limits), src.device
@@ -107,7 +110,8 @@ def greedy_decode(
         tok = torch.full((B, 1), bos_id, dtype=torch.long, device=device)
         src_mask = memory_mask(model, src_mask)
         if use_cache:
-            cache, step = prepare_step(model, seq2seq_step, B, T, compile=compile, compile_mode=compile_mode)
+            cache, step = prepare_step(model, seq2seq_step, B, T, compile=compile, compile_mode=compile_mode,
+                                       kv_dtype=kv_dtype)
             cache_pos = torch.zeros(1, dtype=torch.long, device=device)
         seq = tok
         for t in range(T):

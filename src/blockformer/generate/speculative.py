@@ -34,7 +34,7 @@ from .causal import (
     OnToken, StopFn, check_decoding_args, check_token_count, position_table_window, vocab_size_of,
 )
 from .sampling import Sampling, sample
-from .step import cache_dtype, eval_mode, model_device
+from .step import cache_dtype, eval_mode, model_device, resolve_kv_dtype
 
 
 @dataclass
@@ -69,11 +69,14 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     attention_mask: torch.Tensor | None = None,
     pad_id: int = PAD_ID,
+    kv_cache_dtype: str = "auto",
 ) -> SpeculativeOutput:
     """Continue each prompt by up to ``max_new_tokens`` tokens of ``target``, drafted
-    ``num_draft`` at a time by ``draft`` (same vocabulary). Arguments as in ``generate``;
-    the result carries the tokens and the draft's acceptance rate."""
+    ``num_draft`` at a time by ``draft`` (same vocabulary). Arguments as in ``generate``
+    (``kv_cache_dtype``: both models' caches); the result carries the tokens and the draft's
+    acceptance rate."""
     sampling = Sampling(temperature, top_k, top_p, do_sample)
+    kv_dtype = resolve_kv_dtype(kv_cache_dtype)
     check_token_count("max_new_tokens", max_new_tokens)
     if not isinstance(num_draft, int) or num_draft < 1:
         raise UsageError(f"num_draft: {num_draft!r}; expected an integer >= 1")
@@ -87,7 +90,7 @@ def speculative_generate(
     if max_new_tokens == 0:
         return stats
     with eval_mode(target), eval_mode(draft):
-        pair = _TargetAndDraft(target, draft, batch, max_new_tokens)
+        pair = _TargetAndDraft(target, draft, batch, max_new_tokens, kv_dtype)
         stats.target_calls += pair.prefill(batch)
         _rounds(pair, max_new_tokens, num_draft, sampling, generator, stats, eos_id, on_token, stop)
     return stats
@@ -120,13 +123,14 @@ class _TargetAndDraft:
     cache yet (it goes to slot ``pos``); the draft still has to write ``pending`` from slot
     ``d_start`` on (1 token, or 2 after a round that kept every proposal)."""
 
-    def __init__(self, target: nn.Module, draft: nn.Module, batch: PromptBatch, max_new_tokens: int) -> None:
+    def __init__(self, target: nn.Module, draft: nn.Module, batch: PromptBatch, max_new_tokens: int,
+                 kv_dtype: torch.dtype | None = None) -> None:
         B, P = batch.tokens.shape
         device = batch.tokens.device
         self.target, self.draft = target, draft
         self.offset = (P - batch.lengths)[:, None]  # (B, 1): left padding of each row
-        self.t_cache = target.new_cache(B, P + max_new_tokens, device=device, dtype=cache_dtype(target))
-        self.d_cache = draft.new_cache(B, P + max_new_tokens, device=device, dtype=cache_dtype(draft))
+        self.t_cache = target.new_cache(B, P + max_new_tokens, device=device, dtype=kv_dtype or cache_dtype(target))
+        self.d_cache = draft.new_cache(B, P + max_new_tokens, device=device, dtype=kv_dtype or cache_dtype(draft))
         self.last, self.pos = batch.tokens[:, -1:], P - 1
         self.pending, self.d_start = self.last, self.pos
 

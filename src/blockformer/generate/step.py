@@ -161,9 +161,9 @@ def resolve_kv_dtype(name: str | None) -> torch.dtype | None:
     """The dtype a ``kv_cache_dtype`` option names (``auto``/None: the model's own, ``cache_dtype``).
 
     A bf16 or fp16 cache under an fp32 model halves the cache's bytes (llama.cpp keeps fp16 by
-    default; vLLM's ``--kv-cache-dtype``): keys and values are rounded as they are written, and an
-    eager CPU step reads them as they are (``nn/decode_attention.py``); elsewhere attention reads an
-    fp32 copy. fp16 keeps 3 more mantissa bits, bf16 fp32's range (fp16 overflows past 65504)."""
+    default; vLLM's ``--kv-cache-dtype``): keys and values are rounded as they are written, and a
+    one-token step on a CPU reads them as they are, padded or compiled (``nn/decode_attention.py``);
+    a prompt's attention reads an fp32 copy. fp16 keeps 3 more mantissa bits, bf16 fp32's range (fp16 overflows past 65504)."""
     if name is None or name == "auto":
         return None
     if name not in KV_CACHE_DTYPES:

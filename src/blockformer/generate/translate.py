@@ -21,13 +21,15 @@ def translate(
     bos_id: int = BOS_ID,
     eos_id: int = EOS_ID,
     compile: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> list[list[int]]:
     """Best target ids for each source (ids ending with ``eos``, as in training): beam
     search, or greedy decoding when ``beam_size == 1`` (the same result, faster)."""
     if beam_size == 1:
-        return greedy_decode(model, sources, None, max_len, bos_id, eos_id, compile=compile)
+        return greedy_decode(model, sources, None, max_len, bos_id, eos_id, compile=compile,
+                             kv_cache_dtype=kv_cache_dtype)
     hyps = beam_search(
         model, sources, beam_size=beam_size, alpha=alpha, max_len=max_len, bos_id=bos_id, eos_id=eos_id,
-        compile=compile,
+        compile=compile, kv_cache_dtype=kv_cache_dtype,
     )
     return [h[0].tokens for h in hyps]

@@ -84,7 +84,8 @@ class Attention(nn.Module):
             return cache.cross_k[self.layer_idx], cache.cross_v[self.layer_idx]
         k, v = self.kv(ctx.memory).chunk(2, dim=-1)
         k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
-        if cache is not None:
+        if cache is not None:  # kept in the cache's dtype, as its own keys are (a narrow cache: KVCache.dtype)
+            k, v = cast(k, cache.dtype), cast(v, cache.dtype)
             cache.cross_k[self.layer_idx], cache.cross_v[self.layer_idx] = k, v
         return k, v
 

@@ -1,5 +1,7 @@
 """The three architectures: order, causality, padding and the KV cache, for every position scheme."""
 
+import copy
+
 import pytest
 import torch
 
@@ -174,6 +176,24 @@ def test_cache_reorder_selects_batch_rows():
     out = model(nxt, cache=cache, cache_pos=torch.tensor([4]))
     expected = model(torch.cat([tokens[[2, 2, 0]], nxt], dim=1))[:, -1:]
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_reorder_of_the_written_slots_alone_leaves_the_rest_and_the_cross_keys():
+    """``reorder(index, slots=n)`` moves the first n slots as a full reorder would and leaves the
+    others; ``cross=False`` leaves the cross-attention keys (beam search: rows of one source)."""
+    cache = make("decoder", "rope").new_cache(3, 6)
+    for t in [*cache.k, *cache.v]:
+        t.copy_(torch.randn(t.shape))
+    cache.pos.copy_(torch.arange(18).view(3, 6))
+    cache.cross_k[0] = cache.cross_v[0] = torch.arange(3.0)
+    full, part = copy.deepcopy(cache), copy.deepcopy(cache)
+    index = torch.tensor([2, 2, 0])
+    full.reorder(index)
+    part.reorder(index, slots=4, cross=False)
+    for f, p, before in zip([*full.k, *full.v], [*part.k, *part.v], [*cache.k, *cache.v]):
+        assert torch.equal(p[:, :, :4], f[:, :, :4]) and torch.equal(p[:, :, 4:], before[:, :, 4:])
+    assert part.pos.tolist() == [[12, 13, 14, 15, 4, 5], [12, 13, 14, 15, 10, 11], [0, 1, 2, 3, 16, 17]]
+    assert full.cross_k[0].tolist() == [2.0, 2.0, 0.0] and part.cross_k[0].tolist() == [0.0, 1.0, 2.0]
 
 
 def test_cache_requires_cache_pos():

@@ -80,7 +80,7 @@ def beam_search(
             index = beams.step(decoder.logits(beams.history, t), t)
             if index is None:
                 break
-            decoder.follow(index)
+            decoder.follow(index, t)
     return [sorted(f, key=lambda h: h.score, reverse=True)[:n_best] for f in beams.finished]
 
 
@@ -116,10 +116,12 @@ class _BeamDecoder:
                                      cache_pos=self.cache_pos)[:, -1]
         return self.step(self.model, history[:, t : t + 1], self.cache, self.cache_pos)
 
-    def follow(self, index: torch.Tensor) -> None:
-        """The rows ``index`` (B*K,) continue, in that order."""
+    def follow(self, index: torch.Tensor, t: int) -> None:
+        """The rows ``index`` (B*K,) continue, in that order, after step ``t``: the cache moves its
+        first t + 1 slots (the rest are unwritten). Each sentence's beams keep to its own rows, which
+        share one source, so the cross-attention keys stay where they are."""
         if self.use_cache:
-            self.cache.reorder(index)
+            self.cache.reorder(index, slots=t + 1, cross=False)
             self.cache_pos = self.cache_pos + 1
 
 

@@ -128,10 +128,18 @@ class KVCache:
         span = self.span
         return self.k[layer][:, :, :span], self.v[layer][:, :, :span]
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Select batch rows ``index`` in place (beam search), keeping tensor identities."""
-        for t in [*self.k, *self.v, self.valid, self.pos]:
-            t.copy_(t.index_select(0, index))
+    def reorder(self, index: torch.Tensor, slots: int | None = None, cross: bool = True) -> None:
+        """Select batch rows ``index`` in place (beam search), keeping tensor identities.
+        ``slots``: only the first ``slots`` slots have been written (None: any may have been), so
+        only they are moved. ``cross=False`` leaves the cross-attention keys and values (and the
+        source mask) as they are: right where ``index`` maps each row to one with the same source."""
+        n = self.max_len if slots is None else min(slots, self.max_len)
+        for t in [*self.k, *self.v]:
+            t[:, :, :n].copy_(t[:, :, :n].index_select(0, index))
+        for t in (self.valid, self.pos):
+            t[:, :n].copy_(t[:, :n].index_select(0, index))
+        if not cross:
+            return
         for i, (ck, cv) in enumerate(zip(self.cross_k, self.cross_v)):
             if ck is not None:
                 self.cross_k[i], self.cross_v[i] = ck.index_select(0, index), cv.index_select(0, index)

@@ -4,7 +4,7 @@ torch's SDPA, one query token per row over every slot.
 1. The attention alone, GPT-2 small's heads (12 of 64), 12 layers' keys and values, a 64 MB
    buffer written between rounds so that they come from memory, as in a decode step, where
    the weights streamed since a layer last ran have pushed its cache out; and the kernel over
-   the same caches kept in bf16 and fp16 (``generate --kv-cache-dtype``).
+   the same caches kept in bf16, fp16 and int8 (``generate --kv-cache-dtype``).
 2. The eager decode step (GPT-2 small, random weights, batch 1, greedy, fp32 activations, as
    the CLI prepares it), with ``kernels.DECODE_ATTENTION_KERNEL`` on and off in alternate
    rounds of one process, so that a shared machine's drift falls on both alike.
@@ -34,11 +34,13 @@ from blockformer.nn.decode_attention import decode_attention, kernel
 
 
 def attention_alone(slots: list[int], rounds: int, heads: int, head_dim: int, layers: int) -> list[str]:
-    """SDPA and the kernel over fp32 caches, and the kernel over the same caches kept in bf16 and fp16
-    (``kv_cache_dtype``: half the bytes, widened as they are read)."""
+    """SDPA and the kernel over fp32 caches, and the kernel over the same caches kept in bf16, fp16 and
+    int8 (``kv_cache_dtype``: half or a quarter of the bytes, widened as they are read)."""
+    from blockformer.nn.kv_cache import quantize_rows  # noqa: PLC0415
+
     lines = ["| slots | SDPA, us a layer | kernel, us a layer | speedup | SDPA, GB/s | kernel, GB/s "
-             "| bf16 cache, us | fp16 cache, us | bf16, fp16 over fp32 kernel |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| bf16 cache, us | fp16 cache, us | int8 cache, us | bf16, fp16, int8 over fp32 kernel |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     flush = torch.zeros(16 * 1024 * 1024)  # 64 MB, above the last-level cache
     for S in slots:
         ks = [torch.randn(1, heads, S, head_dim) for _ in range(layers)]
@@ -47,7 +49,9 @@ def attention_alone(slots: list[int], rounds: int, heads: int, head_dim: int, la
         q = torch.randn(1, heads, 1, head_dim)
         torch.testing.assert_close(decode_attention(q, ks[0], vs[0], None, head_dim ** -0.5),
                                    F.scaled_dot_product_attention(q, ks[0], vs[0]), rtol=1e-5, atol=1e-5)
-        caches = {"sdpa": (ks, vs), "kernel": (ks, vs), "bf16": narrow[torch.bfloat16], "fp16": narrow[torch.float16]}
+        int8 = [quantize_rows(k) for k in ks], [quantize_rows(v) for v in vs]  # (codes, scales) each
+        caches = {"sdpa": (ks, vs), "kernel": (ks, vs), "bf16": narrow[torch.bfloat16], "fp16": narrow[torch.float16],
+                  "int8": int8}
         best = dict.fromkeys(caches, float("inf"))
         with torch.inference_mode():
             for _ in range(rounds):
@@ -57,14 +61,17 @@ def attention_alone(slots: list[int], rounds: int, heads: int, head_dim: int, la
                     for k, v in zip(kk, vv):
                         if name == "sdpa":
                             F.scaled_dot_product_attention(q, k, v)
+                        elif name == "int8":
+                            torch.ops.blockformer_c.decode_attention(q, k[0], v[0], None, head_dim ** -0.5, k[1], v[1])
                         else:
-                            torch.ops.blockformer_c.decode_attention(q, k, v, None, head_dim ** -0.5)
+                            torch.ops.blockformer_c.decode_attention(q, k, v, None, head_dim ** -0.5, None, None)
                     best[name] = min(best[name], (time.perf_counter() - t) / layers)
         nbytes = 2 * heads * S * head_dim * 4
         a, b = best["sdpa"], best["kernel"]
         lines.append(f"| {S} | {a * 1e6:.1f} | {b * 1e6:.1f} | {a / b:.2f}x | {nbytes / a / 1e9:.1f} | "
                      f"{nbytes / b / 1e9:.1f} | {best['bf16'] * 1e6:.1f} | {best['fp16'] * 1e6:.1f} | "
-                     f"{b / best['bf16']:.2f}x, {b / best['fp16']:.2f}x |")
+                     f"{best['int8'] * 1e6:.1f} | {b / best['bf16']:.2f}x, {b / best['fp16']:.2f}x, "
+                     f"{b / best['int8']:.2f}x |")
     return lines
 
 

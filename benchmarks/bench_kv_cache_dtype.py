@@ -1,4 +1,4 @@
-"""A KV cache kept in bf16 or fp16 under an fp32 model (``generate(kv_cache_dtype=...)``,
+"""A KV cache kept in bf16, fp16 or int8 under an fp32 model (``generate(kv_cache_dtype=...)``,
 ``generate --kv-cache-dtype``): what it gains in decode speed at long contexts, and what it
 costs in quality.
 
@@ -40,7 +40,7 @@ from blockformer.generate.linears import load_operators_for, swap_linears
 from blockformer.generate.packed import StreamedLinear
 from blockformer.generate.quantize import quantize
 
-CACHES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CACHES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 
 
 def parse_args() -> argparse.Namespace:
@@ -96,7 +96,7 @@ def speed(args) -> list[str]:
         tokens: dict[str, list[int]] = {}
         order = list(CACHES)
         for r in range(args.rounds):
-            for kv in order[r % 3:] + order[: r % 3]:
+            for kv in order[r % len(order):] + order[: r % len(order)]:
                 seconds, tokens[kv] = decode_seconds(model, prompt, args.tokens, kv)
                 times[kv].append(seconds)
         base = statistics.median(times["fp32"])

@@ -29,15 +29,18 @@ def test_speed_and_quality_rows(tmp_path):
                     "int4", "--checkpoint", str(ckpt), "--windows", "3", "--out", str(out)],
                    check=True, capture_output=True, text=True, timeout=300)
     table = out.read_text()
-    speed = re.findall(r"^\| (streamed|int4) \| (fp32|bf16|fp16) \| ([\d.]+) \| ([\d.]+)x \|", table, re.M)
-    assert [(w, kv) for w, kv, *_ in speed] == [(w, kv) for w in ("streamed", "int4") for kv in ("fp32", "bf16", "fp16")]
+    speed = re.findall(r"^\| (streamed|int4) \| (fp32|bf16|fp16|int8) \| ([\d.]+) \| ([\d.]+)x \|", table, re.M)
+    assert [(w, kv) for w, kv, *_ in speed] == [(w, kv) for w in ("streamed", "int4")
+                                                for kv in ("fp32", "bf16", "fp16", "int8")]
     assert all(float(tps) > 0 for _, _, tps, _ in speed)
     assert [ratio for _, kv, _, ratio in speed if kv == "fp32"] == ["1.000", "1.000"]
-    quality = re.findall(r"^\| (fp32|bf16|fp16) \| ([\d.]+) \| ([+-][\d.]+) \| ([\d.e+-]+) \| ([\d.]+)% \|$", table, re.M)
-    assert [q[0] for q in quality] == ["fp32", "bf16", "fp16"] and "96 predictions" in table  # 3 windows of 32
-    fp32, bf16, fp16 = quality
+    quality = re.findall(r"^\| (fp32|bf16|fp16|int8) \| ([\d.]+) \| ([+-][\d.]+) \| ([\d.e+-]+) \| ([\d.]+)% \|$",
+                         table, re.M)
+    assert [q[0] for q in quality] == ["fp32", "bf16", "fp16", "int8"] and "96 predictions" in table  # 3 windows of 32
+    fp32, bf16, fp16, int8 = quality
     assert fp32[2:] == ("+0.00000", "0.00e+00", "100.00")  # the fp32 cache against itself
     assert 0 < float(fp16[3]) < float(bf16[3]) < 0.5  # fp16 keeps 3 more mantissa bits
+    assert 0 < float(int8[3]) < 0.5  # 255 levels a row against bf16's 8 bits of mantissa: near bf16's
     assert float(bf16[4]) > 90 and abs(float(bf16[2])) < 0.01
 
 

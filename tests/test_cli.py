@@ -96,12 +96,12 @@ def test_generate_keeps_its_cache_in_the_dtype_asked_for(lm_run, capsys):
     ckpt = load_checkpoint(run_dir)
     cmd = ["generate", "--checkpoint", str(run_dir), "--prompt", "def f", "--max-new-tokens", "30", "--temperature", "0"]
     capsys.readouterr()
-    for dtype in ("bf16", "fp16"):
+    for dtype in ("bf16", "fp16", "int8"):
         [ids] = generate(ckpt.model, [ckpt.tokenizer.encode("def f")], 30, temperature=0, eos_id=EOS_ID,
                          kv_cache_dtype=dtype)
         assert main([*cmd, "--kv-cache-dtype", dtype]) == 0
         assert capsys.readouterr().out == "def f" + ckpt.tokenizer.decode(ids) + "\n"
-    assert "--kv-cache-dtype: invalid choice: 'int8'" in _error(capsys, [*cmd, "--kv-cache-dtype", "int8"])
+    assert "--kv-cache-dtype: invalid choice: 'int4'" in _error(capsys, [*cmd, "--kv-cache-dtype", "int4"])
     out = speculative_generate(ckpt.model, ckpt.model, [ckpt.tokenizer.encode("def f")], 30, temperature=0,
                                eos_id=EOS_ID, kv_cache_dtype="bf16")  # its own draft: every proposal taken
     assert out.accepted == out.proposed > 0

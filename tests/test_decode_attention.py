@@ -55,6 +55,35 @@ def test_the_kernel_reads_a_narrow_cache_as_sdpa_reads_it_widened(cap, dtype, mo
 
 
 @pytest.mark.parametrize("cap", [None, "avx2", "default"])
+def test_the_kernel_reads_an_int8_cache_as_its_codes_times_their_scales(cap, monkeypatch):
+    """Codes at the extremes (-127, 127) and at random, each slot's scale its own (one of them 0, a
+    row of zeros), with and without a key mask: the kernel equals SDPA over the dequantized cache;
+    ``quantize_rows`` keeps each value to within half its row's scale."""
+    from blockformer.nn.kv_cache import dequantize_rows, quantize_rows
+
+    with kernels_built_for(cap, monkeypatch, DECODE.kernel):
+        g = torch.Generator().manual_seed(3)
+        for B, H, Hkv, S, D in SHAPES:
+            q = torch.randn(B, H, 1, D, generator=g)
+            k, v = torch.randn(2, B, Hkv, S + 9, D, generator=g) * 3
+            k[..., 0, :] = 0.0  # slot 0: scale 0
+            (kc, ks), (vc, vs) = quantize_rows(k), quantize_rows(v)
+            assert (dequantize_rows(kc, ks, torch.float32) - k).abs().le(ks[..., None] / 2 + 1e-6).all()
+            assert kc.abs().amax(-1)[..., 1:].eq(127).all() and ks[..., 0].eq(0).all()
+            keep = torch.rand(B, 1, 1, S, generator=g) < 0.6
+            keep[..., -1] = True
+            for mask in (None, keep):
+                k_, v_ = kc[:, :, :S], vc[:, :, :S]  # the first S slots of a longer cache
+                want = F.scaled_dot_product_attention(q, dequantize_rows(k_, ks[:, :, :S], torch.float32),
+                                                      dequantize_rows(v_, vs[:, :, :S], torch.float32),
+                                                      attn_mask=mask, enable_gqa=H != Hkv, scale=0.3)
+                out = DECODE.decode_attention(q, k_, v_, mask, 0.3, ks[:, :, :S], vs[:, :, :S])
+                torch.testing.assert_close(out, want, rtol=1e-5, atol=5e-5)
+            with pytest.raises(ValueError, match="k_scale, v_scale: expected both with an int8 cache"):
+                DECODE.decode_attention(q, kc[:, :, :S], vc[:, :, :S], None, 0.3)
+
+
+@pytest.mark.parametrize("cap", [None, "avx2", "default"])
 def test_every_bf16_and_fp16_value_is_widened_exactly(cap, monkeypatch):
     """One slot: the output is its value times a weight of exactly 1. Every 16-bit pattern of each type
     (infinities, NaNs, subnormals), through the vector body (D = 65536) and the plain loop (D = 65520)."""
@@ -102,25 +131,35 @@ def test_the_kernel_skips_the_slots_a_key_mask_hides_as_sdpa_does(cap, dtype, mo
 def test_the_cpp_operator_gives_the_same_and_checks_its_shapes():
     assert DECODE.kernel() is not None and native.CPP_OPS
     q, k, v = torch.randn(2, 4, 1, 32), torch.randn(2, 2, 10, 32), torch.randn(2, 2, 10, 32)
-    torch.testing.assert_close(torch.ops.blockformer_c.decode_attention(q, k, v, None, 0.25),
+    torch.testing.assert_close(torch.ops.blockformer_c.decode_attention(q, k, v, None, 0.25, None, None),
                                DECODE.decode_attention(q, k, v, None, 0.25), rtol=0, atol=0)
     keep = torch.rand(2, 1, 1, 20) < 0.5
     keep[..., 0] = True
     for mask in (keep[..., :10], keep[..., ::2], keep[:1, ..., :10]):  # rows apart, slots apart, one for all
-        torch.testing.assert_close(torch.ops.blockformer_c.decode_attention(q, k, v, mask, 0.25),
+        torch.testing.assert_close(torch.ops.blockformer_c.decode_attention(q, k, v, mask, 0.25, None, None),
                                    DECODE.decode_attention(q, k, v, mask, 0.25), rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="expected q"):
-        torch.ops.blockformer_c.decode_attention(q, k[:, :, :, :16], v[:, :, :, :16], None, 0.25)
+        torch.ops.blockformer_c.decode_attention(q, k[:, :, :, :16], v[:, :, :, :16], None, 0.25, None, None)
     with pytest.raises(RuntimeError, match=r"expected a bool mask \(B or 1, 1, 1, S\)"):
-        torch.ops.blockformer_c.decode_attention(q, k, v, keep[..., :10].float(), 0.25)
+        torch.ops.blockformer_c.decode_attention(q, k, v, keep[..., :10].float(), 0.25, None, None)
     with pytest.raises(RuntimeError, match=r"expected a bool mask \(B or 1, 1, 1, S\)"):
-        torch.ops.blockformer_c.decode_attention(q, k, v, keep, 0.25)  # 20 slots, not 10
+        torch.ops.blockformer_c.decode_attention(q, k, v, keep, 0.25, None, None)  # 20 slots, not 10
     for dtype in (torch.bfloat16, torch.float16):
-        torch.testing.assert_close(torch.ops.blockformer_c.decode_attention(q, k.to(dtype), v.to(dtype), None, 0.25),
+        torch.testing.assert_close(torch.ops.blockformer_c.decode_attention(q, k.to(dtype), v.to(dtype), None, 0.25, None,
+                                                                            None),
                                    DECODE.decode_attention(q, k.to(dtype), v.to(dtype), None, 0.25), rtol=0, atol=0)
+    codes, scales = (k * 20).round().clamp(-127, 127).to(torch.int8), torch.rand(2, 2, 10) / 20
+    mask = keep[..., :10]
+    torch.testing.assert_close(torch.ops.blockformer_c.decode_attention(q, codes, codes, mask, 0.25, scales, scales),
+                               DECODE.decode_attention(q, codes, codes, mask, 0.25, scales, scales), rtol=0, atol=0)
+    for wrong in [(q, codes, codes, None, 0.25, None, None), (q, k, v, None, 0.25, scales, scales)]:
+        with pytest.raises(RuntimeError, match="expected k_scale and v_scale both with an int8 cache"):
+            torch.ops.blockformer_c.decode_attention(*wrong)
+    with pytest.raises(RuntimeError, match=r"expected fp32 k_scale and v_scale \(B, H_kv, S\)"):
+        torch.ops.blockformer_c.decode_attention(q, codes, codes, None, 0.25, scales[:, :, :9], scales[:, :, :9])
     for wrong in [(q, k.bfloat16(), v.half()), (q.bfloat16(), k.bfloat16(), v.bfloat16()), (q, k.double(), v.double())]:
-        with pytest.raises(RuntimeError, match="expected an fp32 q, and k, v both fp32, bf16 or fp16"):
-            torch.ops.blockformer_c.decode_attention(*wrong, None, 0.25)
+        with pytest.raises(RuntimeError, match="expected an fp32 q, and k, v both fp32, bf16, fp16 or int8"):
+            torch.ops.blockformer_c.decode_attention(*wrong, None, 0.25, None, None)
 
 
 def make():
@@ -154,6 +193,7 @@ def test_the_choice_is_fp32_inference_on_one_query_token():
         assert kernels.decode_attention_kernel(q, k.half(), k.half())
         assert not kernels.decode_attention_kernel(q, k.bfloat16(), k.half())
         assert not kernels.decode_attention_kernel(q, k.double(), k.double())
+        assert kernels.decode_attention_kernel(q, k.to(torch.int8), k.to(torch.int8))  # an int8 cache, with its scales
         assert not kernels.decode_attention_kernel(torch.randn(1, 4, 2, 32), k, k)  # two query tokens
         assert not kernels.decode_attention_kernel(q, k.transpose(2, 3), k.transpose(2, 3))  # slots not contiguous
         for keys in [(1, 1, 1, 9), (3, 1, 1, 9)]:  # a key mask: one row for all, or one per row
@@ -165,12 +205,16 @@ def test_the_choice_is_fp32_inference_on_one_query_token():
     assert not kernels.decode_attention_kernel(q, k, k)  # autograd on: the kernel has no backward
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+NARROW = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "int8"])
 def test_a_narrow_cache_holds_its_dtype_and_each_path_reads_it_alike(dtype, monkeypatch):
-    """kv_cache_dtype: the cache holds bf16/fp16 under an fp32 model; the eager step's kernel reads it
+    """kv_cache_dtype: the cache holds bf16/fp16/int8 under an fp32 model; the eager step's kernel reads it
     in place and SDPA (the kernel off, or a padded batch's mask) an fp32 copy: the same tokens. Its
     logits differ from an fp32 cache's by the rounding alone (measured here: 0.092 for bf16, 0.0046 for
-    fp16, on logits up to 9.1; an unrounded cache would give 0, one read as the wrong type far more)."""
+    fp16, 0.24 for int8, on logits up to 9.1; an unrounded cache would give 0, one read as the wrong type
+    or without its scales far more)."""
     from blockformer.nn.kv_cache import KVCache
 
     model, held, calls = make(), set(), []
@@ -178,7 +222,7 @@ def test_a_narrow_cache_holds_its_dtype_and_each_path_reads_it_alike(dtype, monk
     monkeypatch.setattr(KVCache, "update", lambda self, *a: held.add(self.dtype) or update(self, *a))
     monkeypatch.setattr(ATTENTION.native, "call", lambda fn, *a: calls.append(fn.__name__) or call(fn, *a))
     ours = generate(model, [[5, 6, 7]], 6, temperature=0, kv_cache_dtype=dtype)
-    assert held == {{"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]} and len(calls) == 15
+    assert held == {NARROW[dtype]} and len(calls) == 15
     monkeypatch.setattr(kernels, "DECODE_ATTENTION_KERNEL", False)
     assert generate(model, [[5, 6, 7]], 6, temperature=0, kv_cache_dtype=dtype) == ours
     assert generate(model, [[5, 6, 7], [8]], 6, temperature=0, kv_cache_dtype=dtype)[0] == ours[0]
@@ -187,13 +231,12 @@ def test_a_narrow_cache_holds_its_dtype_and_each_path_reads_it_alike(dtype, monk
     with torch.inference_mode():  # the logits of one step, fp32 cache against narrow
         logits = {}
         for name in ("fp32", dtype):
-            cache = model.new_cache(1, 8, dtype={"fp32": torch.float32, "bf16": torch.bfloat16,
-                                                  "fp16": torch.float16}[name])
+            cache = model.new_cache(1, 8, dtype=NARROW[name])
             ids = torch.tensor([[5, 6, 7, 9, 11]])
             model(ids[:, :4], cache=cache, cache_pos=torch.arange(4))
             logits[name] = model(ids[:, 4:], cache=cache, cache_pos=torch.tensor([4]))[0, -1]
         gap = (logits[dtype] - logits["fp32"]).abs().max().item()
-        assert 0 < gap < {"bf16": 0.02, "fp16": 0.002}[dtype] * logits["fp32"].abs().max().item(), gap
+        assert 0 < gap < {"bf16": 0.02, "fp16": 0.002, "int8": 0.04}[dtype] * logits["fp32"].abs().max().item(), gap
 
 
 def test_a_compiled_step_takes_the_kernel_and_never_reads_the_slots_it_has_not_written(monkeypatch):
@@ -209,15 +252,16 @@ def test_a_compiled_step_takes_the_kernel_and_never_reads_the_slots_it_has_not_w
 
     def nan_cache(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        for t in [*self.k, *self.v]:
-            t.fill_(float("nan"))
+        for t in [*self.k, *self.v, *(self.k_scale or []), *(self.v_scale or [])]:
+            t.fill_(127 if t.dtype == torch.int8 else float("nan"))  # int8: the scales are NaN
 
     monkeypatch.setattr(KVCache, "__init__", nan_cache)
     model, prompts = make(), [[5, 6, 7], [8]]
-    eager = generate(model, prompts, 6, temperature=0, kv_cache_dtype="bf16")
-    assert eager == [generate(model, [p], 6, temperature=0, kv_cache_dtype="bf16")[0] for p in prompts]
     monkeypatch.setattr(STEP, "_COMPILED", {})
-    assert generate(model, prompts, 6, temperature=0, kv_cache_dtype="bf16", compile=True) == eager
+    for kv in ("bf16", "int8"):
+        eager = generate(model, prompts, 6, temperature=0, kv_cache_dtype=kv)
+        assert eager == [generate(model, [p], 6, temperature=0, kv_cache_dtype=kv)[0] for p in prompts]
+        assert generate(model, prompts, 6, temperature=0, kv_cache_dtype=kv, compile=True) == eager
 
 
 def test_seq2seq_decoding_attends_to_its_source_through_the_kernel(monkeypatch):
@@ -269,10 +313,13 @@ def test_seq2seq_and_speculative_decoding_keep_the_cache_in_the_dtype_asked_for(
     out = speculative_generate(target, draft, [[5, 6, 7], [8]], 8, temperature=0, kv_cache_dtype="fp16")
     assert read and set(read) == {torch.float16}
     assert out.tokens == generate(target, [[5, 6, 7], [8]], 8, temperature=0, kv_cache_dtype="fp16")
-    with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8'; expected one of auto, fp32, bf16, fp16"):
+    int8 = greedy_decode(seq2seq, sources, max_len=8, kv_cache_dtype="int8")  # cross-attention keys stay fp32
+    monkeypatch.setattr(kernels, "DECODE_ATTENTION_KERNEL", False)
+    assert greedy_decode(seq2seq, sources, max_len=8, kv_cache_dtype="int8") == int8
+    with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8'; expected one of auto, fp32, bf16, fp16, int8"):
         greedy_decode(seq2seq, sources, max_len=8, kv_cache_dtype="fp8")
 
 
 def test_kv_cache_dtype_is_checked():
-    with pytest.raises(ValueError, match="kv_cache_dtype: 'int8'; expected one of auto, fp32, bf16, fp16"):
-        generate(make(), [[5, 6]], 2, temperature=0, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype: 'int4'; expected one of auto, fp32, bf16, fp16, int8"):
+        generate(make(), [[5, 6]], 2, temperature=0, kv_cache_dtype="int4")

@@ -97,6 +97,8 @@ def test_an_fp32_engine_keeps_its_pool_in_the_kv_cache_dtype_and_decodes_as_gene
     assert len(pools) >= 16 * model.cfg.n_layers and set(pools) == {dtype}
     with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8'; expected one of auto, fp32, bf16, fp16"):
         Engine(model, TOK, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype: 'int8'; the server's paged pool holds auto, fp32, bf16 or fp16"):
+        Engine(model, TOK, kv_cache_dtype="int8")
 
 
 def test_a_bf16_engines_decoding_rows_go_through_the_kernel_and_get_the_attention_of_the_pool():

@@ -165,8 +165,8 @@ def test_translate_cli_keeps_its_cache_in_the_dtype_asked_for(tmp_path, capsys, 
                                    max_len_b=7, kv_cache_dtype="fp16")
         assert capsys.readouterr().out.splitlines() == expected
     assert held == {torch.float16}
-    assert main(["translate", "--checkpoint", str(path), "--input", src, "--kv-cache-dtype", "int8"]) == 2
-    assert "--kv-cache-dtype: invalid choice: 'int8'" in capsys.readouterr().err
+    assert main(["translate", "--checkpoint", str(path), "--input", src, "--kv-cache-dtype", "int4"]) == 2
+    assert "--kv-cache-dtype: invalid choice: 'int4'" in capsys.readouterr().err
 
 
 def test_decoder_checkpoint_is_a_usage_error(tmp_path, capsys):

@@ -52,10 +52,11 @@ DECODE_ATTENTION_KERNEL = True
 def decode_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                             compiled_ok: bool = False) -> bool:
     """Whether one query token per row (``q`` (B, H, 1, D)) over the slots of ``k``/``v`` takes that kernel:
-    fp32 queries on the CPU, over a cache of fp32, bf16 or fp16, inference, with no mask or a bool key mask
+    fp32 queries on the CPU, over a cache of fp32, bf16, fp16 or int8, inference, with no mask or a bool key mask
     (B or 1, 1, 1, S); eager, or compiled where ``compiled_ok`` (its C++ operator is loaded)."""
     return (DECODE_ATTENTION_KERNEL and q.device.type == "cpu" and q.shape[2] == 1 and q.dtype == torch.float32
-            and k.dtype == v.dtype in (torch.float32, torch.bfloat16, torch.float16) and k.stride(-1) == v.stride(-1) == 1
+            and k.dtype == v.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+            and k.stride(-1) == v.stride(-1) == 1
             and (mask is None or _key_mask(mask, q.shape[0], k.shape[2]))
             and not torch.is_grad_enabled() and (compiled_ok or not torch.compiler.is_compiling()))
 

@@ -8,9 +8,12 @@
  * all). A masked slot is neither read nor weighed, so its keys and values may hold anything; a row with
  * every slot masked gives zeros.
  * k[b, j, s] starts at k + b * kb + j * kh + s * ks (in values; each slot's D values contiguous),
- * and the same for v. The cache holds fp32, bf16 or fp16 (`kv`: 0, 1, 2; a cache kept narrower than
- * the model computes, KVCache's `dtype`): each value is widened to fp32 as it is read, so a narrow
- * cache costs half the bytes and no copy. Queries, scores and outputs are fp32.
+ * and the same for v. The cache holds fp32, bf16, fp16 or int8 (`kv`: 0, 1, 2, 3; a cache kept narrower
+ * than the model computes, KVCache's `dtype`): each value is widened to fp32 as it is read, so a narrow
+ * cache costs half the bytes (a quarter for int8) and no copy. An int8 slot's D values are codes times
+ * one fp32 scale of its own, k_scale[b, j, s] at k_scale + b * ksb + j * ksh + s (v_scale alike): its
+ * score is scaled once after the dot product, and its value weight is multiplied by it before the sum.
+ * Queries, scores and outputs are fp32.
  * At a decode step the keys and values come from memory: the weights streamed in between have
  * pushed them out of the caches. So each row of keys and then of values is read once, in order,
  * and prefetched AHEAD slots early; torch's SDPA drew 10-19 GB/s there on a 2-core Zen 4 EPYC, this
@@ -40,6 +43,7 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
 static inline float one_f32(const float *p) { return *p; }
 static inline float one_bf16(const uint16_t *p) { return bf16_to_float(*p); }
 static inline float one_f16(const uint16_t *p) { return f16_to_float(*p); }
+static inline float one_i8(const int8_t *p) { return (float)*p; }
 
 #ifdef VECTOR
 /* eight values as fp32 */
@@ -55,6 +59,9 @@ static inline __m256 eight_f16(const uint16_t *p) {
     for (int i = 0; i < 8; i++) f[i] = one_f16(p + i);
     return _mm256_loadu_ps(f);
 #endif
+}
+static inline __m256 eight_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
 static inline float hsum8(__m256 v) {
@@ -106,8 +113,9 @@ static void weigh32_##NAME(const float *w, const T *v, const uint8_t *m, int64_t
 
 #define HEAD(NAME, T)                                                                                              \
 VECTOR_BODIES(NAME, T)                                                                                             \
-static void head_##NAME(const float *q, const void *k_, const void *v_, const uint8_t *m, float *out, float *p,    \
-                        int64_t S, int64_t D, int64_t ks, int64_t vs, float scale) {                               \
+static void head_##NAME(const float *q, const void *k_, const void *v_, const uint8_t *m, const float *kq,         \
+                        const float *vq, float *out, float *p, int64_t S, int64_t D, int64_t ks, int64_t vs,       \
+                        float scale) {                                                                             \
     const T *k = (const T *)k_, *v = (const T *)v_;                                                                \
     float top = -INFINITY;                                                                                         \
     for (int64_t s = 0; s < S; s++) {                                                                              \
@@ -122,14 +130,14 @@ static void head_##NAME(const float *q, const void *k_, const void *v_, const ui
             acc = 0.0f;                                                                                            \
             for (int64_t d = 0; d < D; d++) acc += q[d] * one_##NAME(r + d);                                       \
         }                                                                                                          \
-        p[s] = acc * scale;                                                                                        \
+        p[s] = acc * (kq ? scale * kq[s] : scale);                                                                 \
         top = p[s] > top ? p[s] : top;                                                                             \
     }                                                                                                              \
     float sum = 0.0f;                                                                                              \
     if (top == -INFINITY) top = 0.0f; /* every slot masked: each weight below is 0 */                              \
     for (int64_t s = 0; s < S; s++) sum += (p[s] = expf(p[s] - top));                                              \
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;                                                              \
-    for (int64_t s = 0; s < S; s++) p[s] *= inv;                                                                   \
+    for (int64_t s = 0; s < S; s++) p[s] *= vq ? inv * vq[s] : inv;                                                \
     VECTOR_WEIGH(NAME)                                                                                             \
     for (int64_t d = 0; d < D; d++) out[d] = 0.0f;                                                                 \
     for (int64_t s = 0; s < S; s++) {                                                                              \
@@ -143,22 +151,26 @@ static void head_##NAME(const float *q, const void *k_, const void *v_, const ui
 HEAD(f32, float)
 HEAD(bf16, uint16_t)
 HEAD(f16, uint16_t)
+HEAD(i8, int8_t)
 
-typedef void (*head_fn)(const float *, const void *, const void *, const uint8_t *, float *, float *, int64_t, int64_t,
-                        int64_t, int64_t, float);
+typedef void (*head_fn)(const float *, const void *, const void *, const uint8_t *, const float *, const float *, float *,
+                        float *, int64_t, int64_t, int64_t, int64_t, float);
 
-/* q: (B, H, D) contiguous fp32; out: (B, H, D); k and v of type `kv` (0 fp32, 1 bf16, 2 fp16), their strides in
- * values: (kb, kh, ks), (vb, vh, vs); mask: NULL, or S bytes a row, mb apart */
-void decode_attention_f32(const float *q, const void *k, const void *v, const uint8_t *mask, float *out, float *scores,
-                          int64_t B, int64_t H, int64_t Hkv, int64_t S, int64_t D, int64_t kb, int64_t kh, int64_t ks,
-                          int64_t vb, int64_t vh, int64_t vs, int64_t mb, int64_t threads, int64_t kv, float scale) {
-    const head_fn head = kv == 1 ? head_bf16 : kv == 2 ? head_f16 : head_f32;
-    const int64_t G = H / Hkv, pairs = B * H, size = kv == 0 ? 4 : 2;
+/* q: (B, H, D) contiguous fp32; out: (B, H, D); k and v of type `kv` (0 fp32, 1 bf16, 2 fp16, 3 int8), their
+ * strides in values: (kb, kh, ks), (vb, vh, vs); mask: NULL, or S bytes a row, mb apart; k_scale, v_scale: NULL,
+ * or (int8) one fp32 per slot, strides (ksb, ksh) and (vsb, vsh), each head's slots contiguous */
+void decode_attention_f32(const float *q, const void *k, const void *v, const uint8_t *mask, const float *k_scale,
+                          const float *v_scale, float *out, float *scores, int64_t B, int64_t H, int64_t Hkv, int64_t S,
+                          int64_t D, int64_t kb, int64_t kh, int64_t ks, int64_t vb, int64_t vh, int64_t vs, int64_t mb,
+                          int64_t ksb, int64_t ksh, int64_t vsb, int64_t vsh, int64_t threads, int64_t kv, float scale) {
+    const head_fn head = kv == 1 ? head_bf16 : kv == 2 ? head_f16 : kv == 3 ? head_i8 : head_f32;
+    const int64_t G = H / Hkv, pairs = B * H, size = kv == 0 ? 4 : kv == 3 ? 1 : 2;
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t t = 0; t < threads; t++)
         for (int64_t i = pairs * t / threads; i < pairs * (t + 1) / threads; i++) {
             const int64_t b = i / H, j = i % H / G;
             head(q + i * D, (const char *)k + (b * kb + j * kh) * size, (const char *)v + (b * vb + j * vh) * size,
-                 mask ? mask + b * mb : NULL, out + i * D, scores + t * S, S, D, ks, vs, scale);
+                 mask ? mask + b * mb : NULL, k_scale ? k_scale + b * ksb + j * ksh : NULL,
+                 v_scale ? v_scale + b * vsb + j * vsh : NULL, out + i * D, scores + t * S, S, D, ks, vs, scale);
         }
 }

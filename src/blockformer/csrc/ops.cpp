@@ -25,9 +25,10 @@ typedef void (*int4_fn)(const float *, const uint8_t *, const float *, const flo
                         int64_t, int64_t, int64_t, int64_t, int64_t);
 typedef void (*int8_a8_fn)(const float *, const int8_t *, const float *, const float *, float *, float *, int64_t,
                            int64_t, int64_t, int64_t);
-typedef void (*attention_fn)(const float *, const void *, const void *, const uint8_t *, float *, float *, int64_t,
+typedef void (*attention_fn)(const float *, const void *, const void *, const uint8_t *, const float *, const float *,
+                             float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                              int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                             int64_t, int64_t, int64_t, float);
+                             float);
 }
 
 static f32_fn f32_kernel;
@@ -135,7 +136,8 @@ at::Tensor int8_a8_matmul(const at::Tensor &x_, const at::Tensor &weight, const 
 
 /* one query token per row over the slots of k, v that mask keeps (nn/decode_attention.py says where it is used) */
 at::Tensor decode_attention(const at::Tensor &q_, const at::Tensor &k, const at::Tensor &v,
-                            const std::optional<at::Tensor> &mask_, double scale) {
+                            const std::optional<at::Tensor> &mask_, double scale,
+                            const std::optional<at::Tensor> &k_scale, const std::optional<at::Tensor> &v_scale) {
     TORCH_CHECK(attention_kernel, "blockformer_c: the kernels were not handed over");
     TORCH_CHECK(q_.dim() == 4 && q_.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == q_.size(0) &&
                     k.size(3) == q_.size(3) && q_.size(1) % k.size(1) == 0,
@@ -143,9 +145,17 @@ at::Tensor decode_attention(const at::Tensor &q_, const at::Tensor &k, const at:
                 " ", v.sizes());
     const auto kv = k.scalar_type();
     TORCH_CHECK(q_.scalar_type() == at::kFloat && v.scalar_type() == kv &&
-                    (kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf) && k.stride(3) == 1 && v.stride(3) == 1,
-                "decode_attention: expected an fp32 q, and k, v both fp32, bf16 or fp16 with each slot's values "
+                    (kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf || kv == at::kChar) &&
+                    k.stride(3) == 1 && v.stride(3) == 1,
+                "decode_attention: expected an fp32 q, and k, v both fp32, bf16, fp16 or int8 with each slot's values "
                 "contiguous");
+    const bool scaled = k_scale.has_value() && v_scale.has_value();
+    TORCH_CHECK((kv == at::kChar) == scaled && (scaled || (!k_scale.has_value() && !v_scale.has_value())),
+                "decode_attention: expected k_scale and v_scale both with an int8 cache and neither otherwise");
+    for (const auto &sc : {k_scale, v_scale})
+        TORCH_CHECK(!scaled || (sc->scalar_type() == at::kFloat && sc->dim() == 3 && sc->size(0) == k.size(0) &&
+                                sc->size(1) == k.size(1) && sc->size(2) == k.size(2) && sc->stride(2) == 1),
+                    "decode_attention: expected fp32 k_scale and v_scale (B, H_kv, S), each head's slots contiguous");
     const int64_t B = q_.size(0), H = q_.size(1), S = k.size(2), threads = pieces(B * H);
     at::Tensor mask;  // undefined: every slot
     if (mask_.has_value()) {
@@ -161,9 +171,13 @@ at::Tensor decode_attention(const at::Tensor &q_, const at::Tensor &k, const at:
     at::Tensor scores = at::empty({threads * S}, q.options());
     const auto *mask_ptr = mask.defined() ? static_cast<const uint8_t *>(mask.data_ptr()) : nullptr;
     const int64_t mb = mask.defined() && mask.size(0) == B ? mask.stride(0) : 0;
-    attention_kernel(q.data_ptr<float>(), k.data_ptr(), v.data_ptr(), mask_ptr, out.data_ptr<float>(),
+    const float *ks_ptr = scaled ? k_scale->data_ptr<float>() : nullptr;
+    const float *vs_ptr = scaled ? v_scale->data_ptr<float>() : nullptr;
+    attention_kernel(q.data_ptr<float>(), k.data_ptr(), v.data_ptr(), mask_ptr, ks_ptr, vs_ptr, out.data_ptr<float>(),
                      scores.data_ptr<float>(), B, H, k.size(1), S, q.size(3), k.stride(0), k.stride(1), k.stride(2),
-                     v.stride(0), v.stride(1), v.stride(2), mb, threads, kv == at::kFloat ? 0 : kv == at::kBFloat16 ? 1 : 2,
+                     v.stride(0), v.stride(1), v.stride(2), mb, scaled ? k_scale->stride(0) : 0,
+                     scaled ? k_scale->stride(1) : 0, scaled ? v_scale->stride(0) : 0, scaled ? v_scale->stride(1) : 0,
+                     threads, kv == at::kFloat ? 0 : kv == at::kBFloat16 ? 1 : kv == at::kHalf ? 2 : 3,
                      static_cast<float>(scale));
     return out;
 }
@@ -178,7 +192,10 @@ TORCH_LIBRARY(blockformer_c, m) {
     m.def("int4_a8_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group_size, "
           "Tensor? bias=None) -> Tensor");
     m.def("int8_a8_matmul(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor");
-    m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+    // A changed schema needs a new name: torch's on-disk inductor cache replayed compiled steps built against
+    // an earlier schema of this op, with too few arguments (a crash), after its arguments changed (2026-12-07).
+    m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor? k_scale, "
+          "Tensor? v_scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(blockformer_c, CPU, m) {

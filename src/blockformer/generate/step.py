@@ -122,7 +122,7 @@ def static_cache(
     cache = getattr(model, STATIC_CACHE, None)
     if cache is None or cache.valid.shape != (batch_size, max_len) or cache.dtype != dtype:
         cache = model.new_cache(batch_size, max_len, device=device, dtype=dtype)
-        for t in [*cache.k, *cache.v, cache.valid, cache.pos]:
+        for t in cache.tensors:
             torch._dynamo.mark_static_address(t)
         setattr(model, STATIC_CACHE, cache)  # a plain attribute: not a submodule, not in the state dict
     cache.valid.zero_()
@@ -154,7 +154,7 @@ def cache_dtype(model: nn.Module) -> torch.dtype:
     return param.dtype
 
 
-KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16")
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8")
 
 
 def resolve_kv_dtype(name: str | None) -> torch.dtype | None:
@@ -163,12 +163,14 @@ def resolve_kv_dtype(name: str | None) -> torch.dtype | None:
     A bf16 or fp16 cache under an fp32 model halves the cache's bytes (llama.cpp keeps fp16 by
     default; vLLM's ``--kv-cache-dtype``): keys and values are rounded as they are written, and a
     one-token step on a CPU reads them as they are, padded or compiled (``nn/decode_attention.py``);
-    a prompt's attention reads an fp32 copy. fp16 keeps 3 more mantissa bits, bf16 fp32's range (fp16 overflows past 65504)."""
+    a prompt's attention reads an fp32 copy. fp16 keeps 3 more mantissa bits, bf16 fp32's range (fp16
+    overflows past 65504). int8 (a quarter of fp32's bytes) keeps each slot's head as codes and a scale
+    (``KVCache``; llama.cpp's ``q8_0`` cache), to within half a scale."""
     if name is None or name == "auto":
         return None
     if name not in KV_CACHE_DTYPES:
         raise UsageError(f"kv_cache_dtype: {name!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
-    return DTYPES[name]
+    return torch.int8 if name == "int8" else DTYPES[name]
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -21,7 +21,7 @@ from ..config import TransformerConfig
 from ..precision import cast
 from .decode_attention import decode_attention, kernel as decode_attention_built
 from .dropout import dropout as apply_dropout
-from .kv_cache import KVCache
+from .kv_cache import KVCache, dequantize_rows
 from .position import apply_rope
 
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -62,7 +62,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: AttnInputs) -> torch.Tensor:
         B, T, _ = x.shape
-        kv_dim = self.n_kv_heads * self.head_dim
+        kv_dim, kv_scales = self.n_kv_heads * self.head_dim, None
         if self.cross:
             q = self._heads(self.q(x), self.n_heads)
             k, v = self._cross_kv(ctx)
@@ -75,7 +75,8 @@ class Attention(nn.Module):
                 return self.out(ctx.cache.attend(self.layer_idx, q, k, v, ctx.segment_masks, self.scale))
             if ctx.cache is not None:
                 k, v = ctx.cache.update(self.layer_idx, ctx.cache_pos, k, v)  # (B, H_kv, S, hd)
-        y = sdpa(q, k, v, ctx.mask, ctx.is_causal, self.dropout if self.training else 0.0, self.scale)
+                kv_scales = ctx.cache.scales(self.layer_idx)  # an int8 cache's, else None
+        y = sdpa(q, k, v, ctx.mask, ctx.is_causal, self.dropout if self.training else 0.0, self.scale, kv_scales)
         return self.out(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def _cross_kv(self, ctx: AttnInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,16 +85,22 @@ class Attention(nn.Module):
             return cache.cross_k[self.layer_idx], cache.cross_v[self.layer_idx]
         k, v = self.kv(ctx.memory).chunk(2, dim=-1)
         k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
-        if cache is not None:  # kept in the cache's dtype, as its own keys are (a narrow cache: KVCache.dtype)
-            k, v = cast(k, cache.dtype), cast(v, cache.dtype)
+        if cache is not None:  # kept in a narrow cache's dtype too (an int8 cache: in the model's)
+            if cache.dtype.is_floating_point:
+                k, v = cast(k, cache.dtype), cast(v, cache.dtype)
             cache.cross_k[self.layer_idx], cache.cross_v[self.layer_idx] = k, v
         return k, v
 
 
-def sdpa(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None = None) -> torch.Tensor:
+def sdpa(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None = None,
+         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Attention of ``q`` over ``k``, ``v``; ``kv_scales``: those of an int8 cache's codes (``KVCache.scales``)."""
     if (not is_causal and not dropout and kernels.decode_attention_kernel(q, k, v, mask, native.CPP_OPS)
             and (torch.compiler.is_compiling() or decode_attention_built())):  # one new token per row, on a CPU
-        return native.call(decode_attention, q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale)
+        return native.call(decode_attention, q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale,
+                           *(kv_scales or (None, None)))
+    if kv_scales is not None:  # an int8 cache: its codes times their scales
+        k, v = dequantize_rows(k, kv_scales[0], q.dtype), dequantize_rows(v, kv_scales[1], q.dtype)
     k, v = cast(k, q.dtype), cast(v, q.dtype)  # a cache kept narrower than the model computes (KVCache.dtype)
     groups = q.shape[1] // k.shape[1]
     if mask is not None and mask.dtype != torch.bool:

@@ -26,25 +26,27 @@ from .. import native
 
 
 # What the kernel reads a cache of: its code for each dtype (csrc/decode_attention.c's `kv`)
-KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 
 
 @functools.cache
 def kernel():
     """The compiled ``decode_attention_f32``, or None where it cannot be built. Loading it also
     loads the C++ operators (``native.load_cpp_ops``), so that a step calls it without ctypes."""
-    fn = native.function("decode_attention", "decode_attention_f32", 6, 14, ctypes.c_float)
+    fn = native.function("decode_attention", "decode_attention_f32", 8, 18, ctypes.c_float)
     if fn is not None:
         native.load_cpp_ops()
     return fn
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float) -> torch.Tensor:
+                     scale: float, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(scale q k^T) v for ``q`` (B, H, 1, D) over the slots of ``k``, ``v`` (B, H_kv, S, D) that
     ``mask`` keeps (None: all of them; else bool (B or 1, 1, 1, S), SDPA's key mask), on the CPU, each
-    slot's D values contiguous; (B, H, 1, D). ``q`` is fp32, ``k`` and ``v`` fp32, bf16 or fp16
-    (``KV_TYPES``). A masked slot is not read; a row with none kept gives zeros. (B, H) pairs are split
+    slot's D values contiguous; (B, H, 1, D). ``q`` is fp32, ``k`` and ``v`` fp32, bf16, fp16 or int8
+    (``KV_TYPES``); int8 codes are read as ``k * k_scale[..., None]`` with ``k_scale`` (B, H_kv, S) fp32,
+    and ``v`` alike. A masked slot is not read; a row with none kept gives zeros. (B, H) pairs are split
     over torch's threads."""
     B, H, _, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -54,9 +56,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     scores = torch.empty(threads * S)
     if mask is not None:
         mask = key_mask(mask, B, S)
-    kernel()(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(), out.data_ptr(),
-             scores.data_ptr(), B, H, Hkv, S, D, *k.stride()[:3], *v.stride()[:3],
-             0 if mask is None else mask.stride(0), threads, KV_TYPES[k.dtype], scale)
+    if (k.dtype == torch.int8) != (k_scale is not None and v_scale is not None):
+        raise ValueError("k_scale, v_scale: expected both with an int8 cache and neither otherwise")
+    if k_scale is not None and (k_scale.shape != k.shape[:3] or k_scale.stride(-1) != 1 or v_scale.shape != v.shape[:3]
+                                or v_scale.stride(-1) != 1 or {k_scale.dtype, v_scale.dtype} != {torch.float32}):
+        raise ValueError(f"k_scale, v_scale: expected fp32 {tuple(k.shape[:3])}, each head's slots contiguous")
+    kernel()(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(),
+             None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr(),
+             out.data_ptr(), scores.data_ptr(), B, H, Hkv, S, D, *k.stride()[:3], *v.stride()[:3],
+             0 if mask is None else mask.stride(0), *(k_scale.stride()[:2] if k_scale is not None else (0, 0)),
+             *(v_scale.stride()[:2] if v_scale is not None else (0, 0)), threads, KV_TYPES[k.dtype], scale)
     return out
 
 

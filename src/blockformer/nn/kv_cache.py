@@ -7,7 +7,9 @@ shapes at every token and never recompiles. Eager decoding on a CPU, where readi
 number on the host is free, attends only over the slots written so far (``span``): a short
 generation in a long cache then does not pay for the empty slots. Position ``p`` goes to
 slot ``p % max_len``: with sliding-window attention the cache is a ring of about two
-windows, so decoding can run past ``max_seq_len`` in bounded memory.
+windows, so decoding can run past ``max_seq_len`` in bounded memory. An int8 cache keeps each slot's
+keys (and values) of a head as int8 codes and one fp32 scale, their largest magnitude over 127
+(llama.cpp's ``q8_0`` cache, with one scale per head's row instead of per 32 values).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class KVCache:
     """
 
     segments: list[Segment] | None = None
+    # int8: each slot's scale, per layer and head (B, H_kv, max_len); None for a float cache (a server's view too)
+    k_scale: list[torch.Tensor] | None = None
+    v_scale: list[torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -63,6 +68,9 @@ class KVCache:
         shape = (batch_size, n_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        if dtype == torch.int8:
+            self.k_scale = [torch.zeros(shape[:3], device=device) for _ in range(n_layers)]
+            self.v_scale = [torch.zeros(shape[:3], device=device) for _ in range(n_layers)]
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.pos = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
         self.cross_k: list[torch.Tensor | None] = [None] * n_layers
@@ -117,16 +125,32 @@ class KVCache:
         which the last ``record`` saw on the host where it counts there (one op less a layer)."""
         return cache_pos if self._counts_on_host() and self.unwrapped else cache_pos % self.max_len
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache keeps per slot (keys, values, their int8 scales, validity, positions)."""
+        return [*self.k, *self.v, *(self.k_scale or []), *(self.v_scale or []), self.valid, self.pos]
+
     def update(
         self, layer: int, cache_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``/``v`` (B, H_kv, T, head_dim) at ``cache_pos``; return the first
-        ``span`` slots."""
+        ``span`` slots (int8: their codes; ``scales`` gives their scales)."""
         slots = self._slots(cache_pos)
+        if self.k_scale is not None:
+            (k, k_scale), (v, v_scale) = quantize_rows(k), quantize_rows(v)
+            self.k_scale[layer].index_copy_(2, slots, k_scale)
+            self.v_scale[layer].index_copy_(2, slots, v_scale)
         self.k[layer].index_copy_(2, slots, cast(k, self.dtype))
         self.v[layer].index_copy_(2, slots, cast(v, self.dtype))
         span = self.span
         return self.k[layer][:, :, :span], self.v[layer][:, :, :span]
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The first ``span`` slots' key and value scales (B, H_kv, span) of an int8 cache; None otherwise."""
+        if self.k_scale is None:
+            return None
+        span = self.span
+        return self.k_scale[layer][:, :, :span], self.v_scale[layer][:, :, :span]
 
     def reorder(self, index: torch.Tensor, slots: int | None = None, cross: bool = True) -> None:
         """Select batch rows ``index`` in place (beam search), keeping tensor identities.
@@ -135,6 +159,8 @@ class KVCache:
         source mask) as they are: right where ``index`` maps each row to one with the same source."""
         n = self.max_len if slots is None else min(slots, self.max_len)
         for t in [*self.k, *self.v]:
+            t[:, :, :n].copy_(t[:, :, :n].index_select(0, index))
+        for t in [*(self.k_scale or []), *(self.v_scale or [])]:
             t[:, :, :n].copy_(t[:, :, :n].index_select(0, index))
         for t in (self.valid, self.pos):
             t[:, :n].copy_(t[:, :n].index_select(0, index))
@@ -145,3 +171,16 @@ class KVCache:
                 self.cross_k[i], self.cross_v[i] = ck.index_select(0, index), cv.index_select(0, index)
         if self.memory_mask is not None:
             self.memory_mask = self.memory_mask.index_select(0, index)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes of ``x`` (..., D) and one fp32 scale per row of D (its largest magnitude over 127):
+    ``codes * scale[..., None]`` is ``x`` to within half a scale. A row of zeros has scale 0."""
+    scale = x.detach().abs().amax(dim=-1).float() / 127
+    codes = (x.float() / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round_().clamp_(-127, 127)
+    return codes.to(torch.int8), scale
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What ``quantize_rows`` kept: ``codes * scale[..., None]`` in ``dtype``."""
+    return (codes.float() * scale[..., None]).to(dtype)

@@ -178,20 +178,25 @@ def test_cache_reorder_selects_batch_rows():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_cache_reorder_of_the_written_slots_alone_leaves_the_rest_and_the_cross_keys():
-    """``reorder(index, slots=n)`` moves the first n slots as a full reorder would and leaves the
-    others; ``cross=False`` leaves the cross-attention keys (beam search: rows of one source)."""
-    cache = make("decoder", "rope").new_cache(3, 6)
-    for t in [*cache.k, *cache.v]:
-        t.copy_(torch.randn(t.shape))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_cache_reorder_of_the_written_slots_alone_leaves_the_rest_and_the_cross_keys(dtype):
+    """``reorder(index, slots=n)`` moves the first n slots as a full reorder would (an int8 cache's
+    scales with them) and leaves the others; ``cross=False`` leaves the cross-attention keys (beam
+    search: rows of one source)."""
+    cache = make("decoder", "rope").new_cache(3, 6, dtype=dtype)
+    for t in [*cache.k, *cache.v, *(cache.k_scale or []), *(cache.v_scale or [])]:
+        t.copy_(torch.randn(t.shape) * 50)
     cache.pos.copy_(torch.arange(18).view(3, 6))
     cache.cross_k[0] = cache.cross_v[0] = torch.arange(3.0)
     full, part = copy.deepcopy(cache), copy.deepcopy(cache)
     index = torch.tensor([2, 2, 0])
     full.reorder(index)
     part.reorder(index, slots=4, cross=False)
-    for f, p, before in zip([*full.k, *full.v], [*part.k, *part.v], [*cache.k, *cache.v]):
+    every = (lambda c: [*c.k, *c.v, *(c.k_scale or []), *(c.v_scale or [])])
+    assert len(every(cache)) == (4 if dtype == torch.float32 else 8) * len(cache.k) // 2
+    for f, p, before in zip(every(full), every(part), every(cache)):
         assert torch.equal(p[:, :, :4], f[:, :, :4]) and torch.equal(p[:, :, 4:], before[:, :, 4:])
+        assert not torch.equal(f[:, :, :4], before[:, :, :4])  # rows 0 and 1 took others' slots
     assert part.pos.tolist() == [[12, 13, 14, 15, 4, 5], [12, 13, 14, 15, 10, 11], [0, 1, 2, 3, 16, 17]]
     assert full.cross_k[0].tolist() == [2.0, 2.0, 0.0] and part.cross_k[0].tolist() == [0.0, 1.0, 2.0]
 

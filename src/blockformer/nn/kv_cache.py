@@ -158,9 +158,7 @@ class KVCache:
         only they are moved. ``cross=False`` leaves the cross-attention keys and values (and the
         source mask) as they are: right where ``index`` maps each row to one with the same source."""
         n = self.max_len if slots is None else min(slots, self.max_len)
-        for t in [*self.k, *self.v]:
-            t[:, :, :n].copy_(t[:, :, :n].index_select(0, index))
-        for t in [*(self.k_scale or []), *(self.v_scale or [])]:
+        for t in [*self.k, *self.v, *(self.k_scale or []), *(self.v_scale or [])]:  # slots on dim 2
             t[:, :, :n].copy_(t[:, :, :n].index_select(0, index))
         for t in (self.valid, self.pos):
             t[:, :n].copy_(t[:, :n].index_select(0, index))

@@ -123,14 +123,14 @@ def kernel_weights(monkeypatch) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     real = attention_module.sdpa
 
-    def spy(q, k, v, mask, is_causal, dropout, scale=None):
+    def spy(q, k, v, mask, is_causal, dropout, scale=None, kv_scales=None):
         groups = q.shape[1] // k.shape[1]
         kk = k.repeat_interleave(groups, dim=1).double()
         eye = torch.eye(k.shape[-2], dtype=torch.float64).expand(*kk.shape[:2], -1, -1)
         m = mask if mask is None or mask.dtype == torch.bool else mask.double()
         seen.append(F.scaled_dot_product_attention(q.double(), kk, eye, attn_mask=m, is_causal=is_causal,
                                                    scale=scale)[0])
-        return real(q, k, v, mask, is_causal, dropout, scale)
+        return real(q, k, v, mask, is_causal, dropout, scale, kv_scales)
 
     monkeypatch.setattr(attention_module, "sdpa", spy)
     return seen

@@ -57,11 +57,11 @@ def decode_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     return (DECODE_ATTENTION_KERNEL and q.device.type == "cpu" and q.shape[2] == 1 and q.dtype == torch.float32
             and k.dtype == v.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8)
             and k.stride(-1) == v.stride(-1) == 1
-            and (mask is None or _key_mask(mask, q.shape[0], k.shape[2]))
+            and (mask is None or is_key_mask(mask, q.shape[0], k.shape[2]))
             and not torch.is_grad_enabled() and (compiled_ok or not torch.compiler.is_compiling()))
 
 
-def _key_mask(mask: torch.Tensor, B: int, S: int) -> bool:
+def is_key_mask(mask: torch.Tensor, B: int, S: int) -> bool:
     """A bool mask of keys alone, one row per batch row or one for all: (B or 1, 1, 1, S)."""
     return (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, B) and mask.shape[1] == 1
             and mask.shape[2] == 1 and mask.shape[3] == S)

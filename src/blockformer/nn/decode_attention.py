@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from .. import native
+from .. import kernels, native
 
 
 # What the kernel reads a cache of: its code for each dtype (csrc/decode_attention.c's `kv`)
@@ -72,7 +72,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 def key_mask(mask: torch.Tensor, B: int, S: int) -> torch.Tensor:
     """``mask`` (B or 1, 1, 1, S) bool as the kernel reads it: a row of S bytes per batch row, each
     row's slots contiguous (a broadcast row's batch stride is 0)."""
-    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1:] != (1, 1, S):
+    if not kernels.is_key_mask(mask, B, S):
         raise ValueError(f"mask: {tuple(mask.shape)} {mask.dtype}; expected bool (B or 1, 1, 1, {S})")
     mask = mask[:, 0, 0]
     return (mask if mask.stride(-1) == 1 else mask.contiguous()).expand(B, S)

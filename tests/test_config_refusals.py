@@ -99,9 +99,13 @@ def test_a_real_ctrl_c_while_torch_imports_is_one_line_and_exit_130(tmp_path, en
     for delay in (0.1, 0.4):  # inside the imports (torch alone takes over a second)
         p = subprocess.Popen([*exe, "train", "--preset", "copy", "--out", str(tmp_path / "run")],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(delay)
-        p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=60)
+        try:
+            time.sleep(delay)
+            p.send_signal(signal.SIGINT)
+            _, err = p.communicate(timeout=60)
+        finally:  # a run that carried on must not outlive the test: it would slow every test after it
+            p.kill()
+            p.wait()
         assert "Traceback" not in err and len(err.splitlines()) <= 1, (delay, err)
         # 130, or death by SIGINT itself, which a shell reports as 130 too (a signal that lands
         # before Python sets its handler, or while the interpreter is already shutting down)

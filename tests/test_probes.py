@@ -129,7 +129,9 @@ def test_post_norm_without_warmup_ends_with_higher_loss_than_pre_norm():
 
 @pytest.mark.slow
 def test_depth_probe_defaults_post_norm_needs_warmup():
-    runs = {(r["norm"], r["warmup"] > 0): r for r in depth.run().data["runs"]}
+    # the default run's curves but Pre-Norm with warmup (each run is its own model and data)
+    both = depth.run(norms="post").data["runs"] + depth.run(norms="pre", warmup=0).data["runs"]
+    runs = {(r["norm"], r["warmup"] > 0): r for r in both}
     assert runs["post", False]["verdict"] == "stalled"
     assert runs["post", True]["verdict"] == "learns"
     assert runs["pre", False]["verdict"] == "learns"

@@ -41,9 +41,10 @@ def run(
 ) -> ProbeResult:
     """Loss curves for each norm placement, without and with ``warmup`` steps of warmup.
 
-    At the defaults (seed 1), Post-Norm without warmup ends at chance (2.78) and with warmup
-    at 0.29. Over seeds 0-2 without warmup it ends at 2.20-2.78 (it may leave the plateau
-    late), with warmup at 0.13-1.34; Pre-Norm without warmup at 0.02-0.27."""
+    At the defaults (seed 1, 2 threads), Post-Norm without warmup ends at chance (2.78) and
+    with warmup at 0.38. Over seeds 0-2 without warmup it stalls every time; with warmup it
+    ends at 0.16 and 0.38 (seeds 0, 1) but is still on the plateau for seed 2; Pre-Norm
+    without warmup ends at 0.08-0.52."""
     norms = pick(norms, list(NORMS), "--norms")
     window = max(1, steps // 15)
     runs = []

@@ -64,12 +64,14 @@ def train_reverse(
     seed: int = 0,
     betas: tuple[float, float] = (0.9, 0.98),
 ) -> list[float]:
-    """Train ``model`` in place with Adam (no weight decay, no clipping) for ``steps`` steps;
+    """Train ``model`` in place with Adam (no weight decay, no clipping; the fused kernel: a
+    24-block probe model has ~300 tensors, which the per-tensor loop took 9 ms a step to
+    update) for ``steps`` steps;
     returns the loss at every step. A non-finite loss ends the run early (diverged): the
     rest of the curve is NaN."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=1e-9, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=1e-9, weight_decay=0.0, fused=True)
     model.train()
     losses: list[float] = []
     for step in range(steps):

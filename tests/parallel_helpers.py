@@ -62,8 +62,13 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None
 def run_ranks(world: int, fn: Callable, *args: Any) -> None:
     """``fn(rank, *args)`` on ``world`` processes joined in one gloo group (from the fork server,
     never a fork of this process)."""
+    start_processes(_worker, (world, free_port(), fn, args), world)
+
+
+def start_processes(fn: Callable, args: tuple, nprocs: int) -> None:
+    """``fn(index, *args)`` on ``nprocs`` processes from the fork server; raises if one fails."""
     _start_fork_server()
-    mp.start_processes(_worker, args=(world, free_port(), fn, args), nprocs=world, start_method="forkserver")
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
 def write_json(path: str | Path, data: Any) -> None:

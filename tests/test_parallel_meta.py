@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from blockformer.config import TransformerConfig
@@ -20,7 +19,7 @@ from blockformer.run_config import load_run_config
 from blockformer.train import loop
 from blockformer.train.build import build_run_model
 
-from parallel_helpers import read_json, run_ranks, write_json
+from parallel_helpers import read_json, run_ranks, start_processes, write_json
 from test_parallel_dp import lm_config
 
 SMALL = dict(d_model=32, n_heads=4, vocab_size=50)
@@ -156,7 +155,7 @@ def test_fsdp_x_tp_shards_of_four_simulated_ranks_hold_the_one_process_values_be
     the fake group, two processes at a time. Whatever the placements, the ranks' shards of a
     parameter hold its one-process values between them, each as often as it is replicated."""
     for first in (0, 2):
-        mp.start_processes(_simulated_rank, args=(first, str(tmp_path)), nprocs=2, start_method="spawn")
+        start_processes(_simulated_rank, (first, str(tmp_path)), 2)
     ref = dict(build_run_model(load_run_config(overrides=FSDP_X_TP), seed=5).named_parameters())
     shards = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     assert shards[0].keys() == ref.keys()

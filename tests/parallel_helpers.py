@@ -1,10 +1,10 @@
 """Running a function on N gloo processes (one thread each) for the parallel tests.
 
-The processes come from a fork server that imported torch and blockformer once, in a
-fresh interpreter started at the first `run_ranks`: a rank then starts in milliseconds rather than the ~3 s
-a spawned interpreter takes to import them again (a few hundred process starts in the
-suite). Each rank is still a child of a clean single-threaded process, never a fork of
-pytest itself, whose threads and OpenMP pool a fork would copy half-made.
+The processes come from a fork server, a fresh interpreter started at the first `run_ranks`
+that imports torch and blockformer once: a rank no longer spends the ~3 s a spawned
+interpreter took to import them (a few hundred process starts in the suite). Each rank is
+still a child of a clean single-threaded process, never a fork of pytest itself, whose
+threads and OpenMP pool a fork would copy half-made.
 """
 
 from __future__ import annotations

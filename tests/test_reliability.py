@@ -344,7 +344,9 @@ def test_a_truncated_token_cache_is_detected_and_rebuilt(tmp_path):
     assert path.read_bytes() == whole and len(TokenFile(path)) == (len(whole) - 64) // 2
 
 
-def _nan_at(monkeypatch, step: int) -> None:
+def _nan_at(monkeypatch, step: int, shards: int = 1) -> None:
+    """A NaN loss at training step ``step``: in one of its ``shards`` (train.batch_threads), which
+    makes the step's summed loss NaN."""
     original, calls = LanguageModelling.loss, []
 
     def loss(self, model, batch, smoothing=0.0):
@@ -352,14 +354,14 @@ def _nan_at(monkeypatch, step: int) -> None:
         if not model.training:  # evaluation
             return value
         calls.append(1)
-        return value * float("nan") if len(calls) == step else value
+        return value * float("nan") if len(calls) == (step - 1) * shards + 1 else value
 
     monkeypatch.setattr(LanguageModelling, "loss", loss)
 
 
 def test_a_nan_loss_stops_the_run_keeping_the_last_checkpoint(tmp_path, monkeypatch, capsys):
     _nan_at(monkeypatch, 5)
-    cfg = tiny_lm(tmp_path, "train.steps=8", "train.eval_every=2")
+    cfg = tiny_lm(tmp_path, "train.steps=8", "train.eval_every=2", "train.batch_threads=1")
     with pytest.raises(NonFiniteLoss, match="NaN or infinite at step 5; .*Last checkpoint: .*step-000004"):
         train(cfg, tmp_path / "run", **QUIET)
     last = ck.step_checkpoints(tmp_path / "run")[-1]
@@ -374,9 +376,12 @@ def test_a_nan_loss_stops_the_run_keeping_the_last_checkpoint(tmp_path, monkeypa
     assert "loss became NaN" in _one_line_error(capsys, argv, code=3)
 
 
-def test_nonfinite_skip_skips_the_update_and_carries_on(tmp_path, monkeypatch):
-    _nan_at(monkeypatch, 3)
-    cfg = tiny_lm(tmp_path, "train.steps=6", "train.eval_every=0", "train.nonfinite=skip", "train.log_every=3")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_nonfinite_skip_skips_the_update_and_carries_on(tmp_path, monkeypatch, threads):
+    """Also with the rows split over threads, where one shard's NaN makes the step's."""
+    _nan_at(monkeypatch, 3, shards=threads)
+    cfg = tiny_lm(tmp_path, "train.steps=6", "train.eval_every=0", "train.nonfinite=skip", "train.log_every=3",
+                  f"train.batch_threads={threads}")
     result = train(cfg, tmp_path / "run", **QUIET)
     assert result.step == 6 and result.skipped == 1
     assert [x != x for x in result.losses] == [False, False, True, False, False, False]  # one loss per step

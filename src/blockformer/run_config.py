@@ -37,6 +37,7 @@ NonFinite = Literal["stop", "skip"]
 Resume = Literal["none", "auto"]
 Objective = Literal["auto", "lm", "mlm"]
 Compile = Literal["auto"]
+BatchThreads = Literal["auto"]
 Freeze = Literal["none", "embeddings", "body"]
 HeadTask = Literal["none", "classify", "multilabel", "tokens", "regress"]
 Pooling = Literal["auto", "cls", "mean", "last", "pooler"]
@@ -151,6 +152,9 @@ class TrainConfig:
     precision: Precision = "fp32"  # auto: bf16 where the device has bf16 units, else fp32
     device: Device = "auto"
     compile: bool | Compile = "auto"  # auto: on for models whose blocks hold >= 20M weights (train/compile.py)
+    # CPU: each micro-batch's rows split over this many threads, side by side (parallel/threads.py);
+    # auto: torch's thread count on a 2-thread CPU run with nothing in the way, else 1
+    batch_threads: int | BatchThreads = "auto"
     seed: int = 0
     eval_every: int = 200  # also saves a checkpoint; 0 = only at the end
     eval_batches: int = 20
@@ -200,6 +204,8 @@ class TrainConfig:
             raise UsageError(f"train.sample_prompts={self.sample_prompts!r}: expected a list of strings")
         _positive(self, "steps", "batch_size", "max_tokens", "grad_accum", "eval_batches", "log_every")
         _positive(self, "keep_last", "eval_samples")
+        if self.batch_threads != "auto":
+            _positive(self, "batch_threads")
         for name in ("lr", "eps"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"train.{name}={getattr(self, name)!r}: expected a float > 0")

@@ -41,6 +41,7 @@ from ..errors import UsageError
 from ..models import training_metrics
 from ..parallel.checkpoint import full_optimizer_state
 from ..parallel.mesh import stopped_ranks
+from ..parallel.threads import RowThreads, resolve_batch_threads
 from ..parallel.meta import wanted as meta_init_wanted
 from ..paths import replace_file
 from ..precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
@@ -137,7 +138,7 @@ def train(
             if runtime.is_main:
                 log(f"{run_dir}: train.resume=auto: continuing from {latest.name}")
         run = _start(cfg, run_dir, runtime, resume=resume, overwrite=overwrite, log=log)
-        with run.tracker:  # event files flushed and closed on every way out: an error, Ctrl-C
+        with run.tracker, run.threads:  # event files flushed and closed on every way out: an error, Ctrl-C
             return _loop(run, stop_at)
     except RuntimeError as e:  # a collective timed out or lost a rank: one line naming the silent ranks
         stopped = stopped_ranks(e, cfg.parallel.timeout) if runtime.parallel else None
@@ -155,7 +156,7 @@ class _Run:
     """What one call of ``train`` holds while it runs."""
 
     cfg: RunConfig
-    tc: Any  # cfg.train with precision and compile resolved
+    tc: Any  # cfg.train with precision, compile and batch_threads resolved
     run_dir: Path
     runtime: Any  # parallel.Local or parallel.Parallel
     model: torch.nn.Module  # this rank's parameters
@@ -182,6 +183,7 @@ class _Run:
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # what the optimizer updates
+        self.threads = RowThreads(self.tc.batch_threads)  # its pool starts threads at the first step
 
 
 @dataclass
@@ -227,6 +229,8 @@ def _start(cfg: RunConfig, run_dir: Path, runtime: Any, *, resume, overwrite: bo
     elif on_meta and in_parts:  # its part of the weights now, of the moments with the optimizer
         full_optim = resume_in_parts(model, cfg, resume, state, rows)
     optimizer = build_optimizer(model, tc, lr_scale(model, cfg))
+    tc = dataclasses.replace(tc, batch_threads=resolve_batch_threads(tc.batch_threads, model, tc, device,
+                                                                     runtime.parallel))
     run = _Run(cfg, tc, run_dir, runtime, model, fwd_model, built.objective, built.tokenizer, optimizer,
                build_scheduler(optimizer, tc, cfg.model.d_model), grad_scaler(tc.precision, device), log, good=resume)
     if state is not None:
@@ -276,6 +280,8 @@ def _announce(run: _Run, requested: str) -> None:
         f"{count_parameters(model, trainable_only=True) / 1e6:.3f}M trainable) on {device} "
         f"in {describe_precision(requested, tc.precision, device)}, {tc.steps} steps -> {run.run_dir}"
     )
+    if tc.batch_threads > 1:
+        run.log(f"threads: each micro-batch's rows split over {tc.batch_threads} threads (train.batch_threads)")
     # MFU: the model's FLOPs at the achieved rate over this machine's measured matmul peak.
     run.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len if cfg.model.arch == "decoder" else None)
     # A parallel run's tokens are the global batch's: its peak is every rank's together.
@@ -297,7 +303,8 @@ def _loop(run: _Run, stop_at: int | None) -> TrainResult:
             if run.step % tc.log_every == 0 or run.step == last:
                 _log(run)
             if (tc.eval_every and run.step % tc.eval_every == 0) or run.step == tc.steps:
-                _evaluate_and_save(run)
+                with run.threads.all_threads():  # rows split over threads: evaluate on all of them
+                    _evaluate_and_save(run)
         _finish(run)
     run.result.interrupted = run.step < tc.steps
     run.result.signal = stopper.signal
@@ -309,7 +316,8 @@ def _step(run: _Run) -> None:
     batches = [objective.next_batch() for _ in range(run.tc.grad_accum)]
     run.lr = run.scheduler.get_last_lr()[0]
     loss = train_step(run.fwd_model, objective, batches, run.optimizer, run.scaler, run.params, run.tc, device,
-                      check_finite=True, runtime=run.runtime, loss_fn=run.loss_fn, norms=run.window.norms)
+                      check_finite=True, runtime=run.runtime, loss_fn=run.loss_fn, norms=run.window.norms,
+                      threads=run.threads)
     if loss is None:  # non-finite, seen on the host
         loss = torch.full((), float("nan"), device=device)
     run.pending.append((run.step + 1, loss))  # a non-finite one made no update; counted when read

@@ -3,7 +3,9 @@
 Each micro-batch's summed loss is divided by the target tokens of the whole step, so
 gradient accumulation weighs by tokens, not by micro-batches. The runtime
 (``parallel.start``'s) gives this rank its slice of each batch, the global loss and the
-global gradient norm; on one process those are the plain computations.
+global gradient norm; on one process those are the plain computations. With ``threads``
+(``train.batch_threads``), one process splits each micro-batch's rows over CPU threads
+(``parallel.threads``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from ..models.checks import trusted_inputs
 from ..parallel import Local
 from ..parallel.fsdp import gradient_sync
+from ..parallel.threads import RowThreads
 from ..precision import autocast
 from .compile import LossFn
 from .objective import Objective
@@ -34,6 +37,7 @@ def train_step(
     *,
     loss_fn: LossFn | None = None,
     norms: list[torch.Tensor] | None = None,
+    threads: RowThreads | None = None,
 ) -> torch.Tensor | None:
     """One optimizer update from ``batches`` (the micro-batches of gradient accumulation);
     returns the mean loss per target token. With ``check_finite``, a NaN or infinite loss or
@@ -42,30 +46,38 @@ def train_step(
     no host sync; otherwise the host checks and None comes back (fp16: the loss only; its
     scaler skips inf gradients). ``loss_fn`` replaces ``objective.loss`` (the compiled one,
     under ``train.compile``). ``norms`` gets the gradients' global norm before clipping (a
-    device tensor: no sync) for the metrics. In a parallel run ``batches`` are global."""
+    device tensor: no sync) for the metrics. In a parallel run ``batches`` are global.
+    ``threads`` runs each micro-batch's rows on its threads (``RowThreads``)."""
     runtime = runtime or Local(device)
     model.train()
     n_targets = sum(objective.count_targets(b) for b in batches)
     if runtime.pipeline is not None:
         total = runtime.pipeline.step(batches, n_targets, tc)
     else:
-        total = _backward(model, objective, batches, n_targets, scaler, tc, device, runtime, loss_fn)
+        total = _backward(model, objective, batches, n_targets, scaler, tc, device, runtime, loss_fn, threads, params)
     return _update(optimizer, scaler, params, tc, total, n_targets, check_finite, runtime, norms)
 
 
-def _backward(model, objective, batches, n_targets, scaler, tc, device, runtime, loss_fn) -> torch.Tensor:
+def _backward(model, objective, batches, n_targets, scaler, tc, device, runtime, loss_fn, threads, params):
     """Backpropagate each micro-batch's share of the step's loss; returns the summed loss.
     Gradients cross the data-parallel ranks once, in the last micro-batch's backward
     (``parallel.grad_sync = "every"``: in each one's)."""
+
+    def loss_of(rows: Any) -> torch.Tensor:
+        # The run's own tokenizer made these ids (< vocab_size by construction): the models'
+        # value checks would read them on the host, a device sync per micro-batch.
+        with autocast(tc.precision, device), trusted_inputs():  # both per thread: each shard enters its own
+            return (loss_fn or objective.loss)(model, rows, tc.label_smoothing)
+
     total = torch.zeros((), device=device)
     for i, batch in enumerate(batches):
         local = runtime.local_batch(batch)
+        if threads is not None and threads.n > 1:  # one process (resolve_batch_threads): no sync, no scaler
+            total += threads.backward(loss_of, local, params, 1.0 / n_targets)
+            continue
         sync = i == len(batches) - 1 or runtime.grad_sync == "every"  # parallel.grad_sync
         with gradient_sync(model, sync), runtime.loss_context(tc.label_smoothing):
-            # The run's own tokenizer made these ids (< vocab_size by construction): the models'
-            # value checks would read them on the host, a device sync per micro-batch.
-            with autocast(tc.precision, device), trusted_inputs():
-                loss_sum = (loss_fn or objective.loss)(model, local, tc.label_smoothing)
+            loss_sum = loss_of(local)
             scaler.scale(loss_sum * runtime.grad_scale / n_targets).backward()
         total += loss_sum.detach()
     return runtime.loss_total(total)

@@ -1,0 +1,191 @@
+"""``train.batch_threads``: a micro-batch's rows split over CPU threads in one process.
+
+The shards run at the same time (a barrier only both can pass), each on its share of
+torch's threads; their gradients equal the unsplit step's to rounding and repeat bit for
+bit; ``"auto"`` splits only where nothing shares state between threads, and an explicit
+number that cannot be honoured is refused naming the setting in the way.
+"""
+
+import dataclasses
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from blockformer.config import TransformerConfig
+from blockformer.errors import UsageError
+from blockformer.models import build_model
+from blockformer.parallel.data import batch_rows
+from blockformer.parallel.threads import AUTO_MAX_THREADS, RowThreads, resolve_batch_threads
+from blockformer.run_config import TrainConfig
+from blockformer.train import train
+from blockformer.train.objective import LanguageModelling, Seq2Seq
+
+from test_train_loop import QUIET, tiny_lm, tiny_pairs
+
+CFG = TransformerConfig(arch="decoder", vocab_size=50, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16)
+
+
+def _model(**changes) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(dataclasses.replace(CFG, **changes)).train()
+
+
+def _batch(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, CFG.vocab_size, (rows, 12), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def _loss(model):
+    return lambda b: model(b[0], targets=b[1])  # the summed token loss, as LanguageModelling's
+
+
+def _grads(model, n: int, batch, calls: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    params = list(model.parameters())
+    with RowThreads(n) as threads:
+        loss = sum(threads.backward(_loss(model), batch, params, 1 / batch[1].numel()) for _ in range(calls))
+    return loss, [p.grad.clone() for p in params]
+
+
+@pytest.mark.parametrize("n, rows", [(2, 8), (3, 7), (4, 3)])
+def test_split_rows_give_the_unsplit_loss_and_gradients(n, rows):
+    """Shards of unequal size too (7 rows over 3 threads), and fewer rows than threads."""
+    model, batch = _model(), _batch(rows)
+    loss_1, grads_1 = _grads(model, 1, batch)
+    loss_n, grads_n = _grads(model, n, batch)
+    torch.testing.assert_close(loss_n, loss_1, rtol=1e-6, atol=1e-5)
+    for a, b in zip(grads_n, grads_1):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert max(float(g.abs().max()) for g in grads_1) > 1e-3  # the comparison is not of zeros
+
+
+def test_gradients_accumulate_over_micro_batches():
+    model, batch = _model(), _batch(6)
+    _, once = _grads(model, 2, batch)
+    _, twice = _grads(model, 2, batch, calls=2)
+    for a, b in zip(twice, once):
+        torch.testing.assert_close(a, 2 * b)
+
+
+def test_a_split_step_repeats_bit_for_bit():
+    model, batch = _model(), _batch(8)
+    first, second = _grads(model, 2, batch)[1], _grads(model, 2, batch)[1]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_shards_run_at_the_same_time_each_on_its_share_of_threads():
+    """Each shard waits at a barrier only two threads running at once can pass; each sees
+    torch's threads divided between the shards; the caller keeps its share until the rows'
+    threads close (``all_threads`` lends the whole count back for a block)."""
+    model, batch = _model(), _batch(4)
+    barrier, seen = threading.Barrier(2, timeout=30), []
+    loss = _loss(model)
+
+    def shard_loss(b):
+        seen.append((threading.get_ident(), torch.get_num_threads()))
+        barrier.wait()  # BrokenBarrierError if the other shard is not running meanwhile
+        return loss(b)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with RowThreads(2) as threads:
+            threads.backward(shard_loss, batch, list(model.parameters()), 1.0)
+            held = torch.get_num_threads()  # the caller keeps its share until released
+            with threads.all_threads():
+                lent = torch.get_num_threads()
+            assert (held, lent, torch.get_num_threads()) == (1, 2, 1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert len({ident for ident, _ in seen}) == 2
+    assert [count for _, count in seen] == [1, 1]
+
+
+def test_an_error_in_one_shard_is_raised_once_every_shard_has_finished():
+    model, batch = _model(), _batch(4)
+    finished, loss = [], _loss(model)
+
+    def shard_loss(b):
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("shard broke")
+        out = loss(b)
+        finished.append(True)
+        return out
+
+    threads_before = torch.get_num_threads()
+    with RowThreads(2) as threads, pytest.raises(ValueError, match="shard broke"):
+        threads.backward(shard_loss, batch, list(model.parameters()), 1.0)
+    assert finished == [True] and torch.get_num_threads() == threads_before
+
+
+CPU = torch.device("cpu")
+PLAIN = TrainConfig(precision="fp32", compile=False)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(device=torch.device("cuda")), "train.device"),
+    (dict(parallel=True), "multi-process"),
+    (dict(tc=dataclasses.replace(PLAIN, compile=True)), "train.compile"),
+    (dict(tc=dataclasses.replace(PLAIN, precision="fp16")), "fp16"),
+    (dict(tc=dataclasses.replace(PLAIN, activation_checkpointing="full")), "activation_checkpointing"),
+    (dict(model=_model(dropout=0.1)), "dropout"),
+    (dict(model=_model(attention_dropout=0.1)), "dropout"),
+    (dict(model=_model(ffn_experts=2)), "MoE"),
+])
+def test_auto_leaves_rows_whole_where_threads_would_share_state_and_a_number_is_refused(change, reason):
+    args = dict(model=_model(), tc=PLAIN, device=CPU, parallel=False) | change
+    assert resolve_batch_threads("auto", threads=2, **args) == 1
+    assert resolve_batch_threads(1, threads=2, **args) == 1
+    with pytest.raises(UsageError, match=f"train.batch_threads=2: .*{reason}"):
+        resolve_batch_threads(2, threads=2, **args)
+
+
+def test_auto_splits_over_torchs_threads_on_a_small_cpu_only():
+    args = dict(model=_model(), tc=PLAIN, device=CPU)
+    assert resolve_batch_threads("auto", threads=2, **args) == 2
+    assert resolve_batch_threads("auto", threads=1, **args) == 1
+    assert resolve_batch_threads("auto", threads=AUTO_MAX_THREADS + 1, **args) == 1
+    assert resolve_batch_threads(3, threads=8, **args) == 3  # a number is taken as given
+
+
+@pytest.mark.parametrize("kind", ["lm", "pairs"])
+def test_a_run_split_over_threads_trains_as_the_unsplit_run(tmp_path, kind, monkeypatch):
+    """Language modelling and padded seq2seq batches, with gradient accumulation: each
+    training loss is computed on two threads, half the rows each; the losses agree to
+    rounding, and the log says the rows were split."""
+    make, objective = {"lm": (tiny_lm, LanguageModelling), "pairs": (tiny_pairs, Seq2Seq)}[kind]
+    extra = ("train.steps=8", "train.eval_every=0", "train.log_every=2", "train.grad_accum=2", "train.precision=fp32")
+    original, calls = objective.loss, []
+
+    def loss(self, model, batch, *args):
+        if model.training:
+            calls.append((threading.get_ident(), batch_rows(batch)))
+        return original(self, model, batch, *args)
+
+    monkeypatch.setattr(objective, "loss", loss)
+    lines = []
+    split = train(make(tmp_path, *extra, "train.batch_threads=2"), tmp_path / "split", log=lines.append)
+    split_calls, calls[:] = list(calls), []
+    whole = train(make(tmp_path, *extra, "train.batch_threads=1"), tmp_path / "whole", **QUIET)
+    torch.testing.assert_close(torch.tensor(split.losses), torch.tensor(whole.losses), rtol=1e-5, atol=1e-6)
+    assert any("split over 2 threads" in str(line) for line in lines)
+    assert len(split_calls) == 2 * len(calls) == 2 * 16 and len({ident for ident, _ in split_calls}) == 2
+    assert sum(rows for _, rows in split_calls) == sum(rows for _, rows in calls)
+
+
+def test_the_cli_refuses_threads_it_cannot_honour(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("abcdefgh " * 200)
+    base = [sys.executable, "-m", "blockformer", "train", "--out", str(tmp_path / "run"), "--set", f"data.text={corpus}",
+            "--set", "data.tokenizer=char", "--set", "train.steps=1"]
+    for extra, expected in [(["train.batch_threads=0"], "train.batch_threads=0: expected an integer >= 1"),
+                            (["train.batch_threads=2", "model.dropout=0.1"], "train.batch_threads=2: rows cannot")]:
+        sets = [a for s in extra for a in ("--set", s)]
+        proc = subprocess.run(base + sets, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert expected in proc.stderr and "Traceback" not in proc.stderr

@@ -25,6 +25,8 @@ for q in none int8 int4; do
 done
 # training at nanoGPT's CPU shape against a plain PyTorch loop; translation in its 15 minutes
 $PY benchmarks/bench_tinyshakespeare.py --threads 2 --precisions fp32 --out "$out/tinyshakespeare"
+# rows split over the two threads (train.batch_threads, what "auto" does there) against whole, alternated
+$PY benchmarks/bench_batch_threads.py --threads 2 --precision auto --steps 600 --out "$out/batch-threads"
 # (without bf16 units, or capped below them, `precision = "auto"` trains in fp32: its preset is translate-small-fp32)
 case "$name" in *bf16*capped* | *avx2* | avx512) preset=translate-small-fp32 ;; *) preset=translate-small ;; esac
 $PY benchmarks/bench_translate.py --threads 2 --preset "$preset" --max-minutes 15 --set train.progress=false \

@@ -3,6 +3,7 @@ against the same trainer with the rows whole, alternated inside one run.
 
     python benchmarks/bench_batch_threads.py --threads 2                          # char-lm-tiny and stdlib-lm
     python benchmarks/bench_batch_threads.py --threads 2 --precision fp32 --steps 600
+    python benchmarks/bench_batch_threads.py --threads 2 --presets char-lm-tiny --set model.dropout=0.1
 
 One ``blockformer.train`` run per preset (its own data: tinyshakespeare for ``char-lm-tiny``,
 the standard library for ``stdlib-lm``). Every ``--window`` steps the run switches between
@@ -43,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--precision", default="auto")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--window", type=int, default=10)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, for every preset")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "batch-threads")
     return p.parse_args()
 
@@ -79,7 +81,7 @@ def run_preset(preset: str, args, work: Path) -> dict:
     cfg = load_run_config(preset=preset, overrides=[*data, f"train.steps={args.steps}", f"train.precision={args.precision}",
                                                     "train.samples=0", "train.progress=false", "train.device=cpu",
                                                     f"data.cache_dir={work / 'cache'}",
-                                                    f"train.eval_every={max(1, args.steps // 3)}"])
+                                                    f"train.eval_every={max(1, args.steps // 3)}", *args.set])
     original = loop._step, loop._evaluate_and_save
     with RowThreads(n) as split_rows, RowThreads(1) as whole_rows:
         times = alternate({"split": split_rows, "whole": whole_rows}, args.window)
@@ -106,10 +108,12 @@ def main() -> int:
         for preset in presets:
             rows.append(run_preset(preset, args, Path(tmp)))
             print(json.dumps(rows[-1]), flush=True)
-    report = {"benchmark": "batch_threads", "cpu_kind": cpu_kind(), "command": " ".join(sys.argv), "rows": rows}
+    report = {"benchmark": "batch_threads", "cpu_kind": cpu_kind(), "command": " ".join(sys.argv), "overrides": args.set,
+              "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    md = [f"`train.batch_threads`, split against whole rows, alternated every {args.window} steps; "
+    md = [f"`train.batch_threads`, split against whole rows, alternated every {args.window} steps"
+          f"{' (' + ', '.join(args.set) + ')' if args.set else ''}; "
           f"CPU {report['cpu_kind']} (`{report['command']}`)", "",
           "| preset | threads | precision | steps | windows split/whole | ms/step split | ms/step whole | whole/split |",
           "|---|---|---|---|---|---|---|---|"]

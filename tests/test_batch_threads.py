@@ -2,8 +2,9 @@
 
 The shards run at the same time (a barrier only both can pass), each on its share of
 torch's threads; their gradients equal the unsplit step's to rounding and repeat bit for
-bit; ``"auto"`` splits only where nothing shares state between threads, and an explicit
-number that cannot be honoured is refused naming the setting in the way.
+bit, dropout masks included (each shard draws them from its own generator); ``"auto"``
+splits only where nothing shares state between threads, and an explicit number that
+cannot be honoured is refused naming the setting in the way.
 """
 
 import dataclasses
@@ -21,6 +22,7 @@ from blockformer.parallel.data import batch_rows
 from blockformer.parallel.threads import AUTO_MAX_THREADS, RowThreads, resolve_batch_threads
 from blockformer.run_config import TrainConfig
 from blockformer.train import train
+from blockformer.train.load import load_checkpoint
 from blockformer.train.objective import LanguageModelling, Seq2Seq
 
 from test_train_loop import QUIET, tiny_lm, tiny_pairs
@@ -43,10 +45,10 @@ def _loss(model):
     return lambda b: model(b[0], targets=b[1])  # the summed token loss, as LanguageModelling's
 
 
-def _grads(model, n: int, batch, calls: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _grads(model, n: int, batch, calls: int = 1, random: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     params = list(model.parameters())
-    with RowThreads(n) as threads:
+    with RowThreads(n, random=random) as threads:
         loss = sum(threads.backward(_loss(model), batch, params, 1 / batch[1].numel()) for _ in range(calls))
     return loss, [p.grad.clone() for p in params]
 
@@ -75,6 +77,33 @@ def test_a_split_step_repeats_bit_for_bit():
     model, batch = _model(), _batch(8)
     first, second = _grads(model, 2, batch)[1], _grads(model, 2, batch)[1]
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_dropout_masks_come_from_each_shards_own_generator_and_repeat():
+    """The shards draw no masks from torch's generator (only one seed per shard, in shard
+    order, so the global stream ends where those draws leave it); the same global seed gives
+    the same masks bit for bit, another seed other masks."""
+    model, batch = _model(dropout=0.5), _batch(8)
+
+    def split(seed: int):
+        torch.manual_seed(seed)
+        loss, grads = _grads(model, 2, batch, random=True)
+        return loss, grads, torch.get_rng_state()
+
+    torch.manual_seed(3)
+    torch.randint(1 << 62, (2,))
+    after_seeds = torch.get_rng_state()
+    (loss_a, grads_a, state_a), (loss_b, grads_b, _) = split(3), split(3)
+    assert torch.equal(state_a, after_seeds)
+    assert torch.equal(loss_a, loss_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    assert not torch.equal(split(4)[0], loss_a)
+    # two shards of the same rows: equal losses would mean one mask stream for both
+    half = _batch(4)
+    twice, shard_losses, loss = (torch.cat([half[0]] * 2), torch.cat([half[1]] * 2)), [], _loss(model)
+    with RowThreads(2, random=True) as threads:
+        threads.backward(lambda b: shard_losses.append(loss(b)) or shard_losses[-1], twice,
+                         list(model.parameters()), 1.0)
+    assert len(shard_losses) == 2 and not torch.equal(shard_losses[0], shard_losses[1])
 
 
 def test_shards_run_at_the_same_time_each_on_its_share_of_threads():
@@ -132,9 +161,9 @@ PLAIN = TrainConfig(precision="fp32", compile=False)
     (dict(parallel=True), "multi-process"),
     (dict(tc=dataclasses.replace(PLAIN, compile=True)), "train.compile"),
     (dict(tc=dataclasses.replace(PLAIN, precision="fp16")), "fp16"),
+    (dict(tc=dataclasses.replace(PLAIN, precision="bf16")), "bf16"),
+    (dict(splittable=False), "labelled"),
     (dict(tc=dataclasses.replace(PLAIN, activation_checkpointing="full")), "activation_checkpointing"),
-    (dict(model=_model(dropout=0.1)), "dropout"),
-    (dict(model=_model(attention_dropout=0.1)), "dropout"),
     (dict(model=_model(ffn_experts=2)), "MoE"),
 ])
 def test_auto_leaves_rows_whole_where_threads_would_share_state_and_a_number_is_refused(change, reason):
@@ -148,6 +177,7 @@ def test_auto_leaves_rows_whole_where_threads_would_share_state_and_a_number_is_
 def test_auto_splits_over_torchs_threads_on_a_small_cpu_only():
     args = dict(model=_model(), tc=PLAIN, device=CPU)
     assert resolve_batch_threads("auto", threads=2, **args) == 2
+    assert resolve_batch_threads("auto", threads=2, **(args | dict(model=_model(dropout=0.1, attention_dropout=0.1)))) == 2
     assert resolve_batch_threads("auto", threads=1, **args) == 1
     assert resolve_batch_threads("auto", threads=AUTO_MAX_THREADS + 1, **args) == 1
     assert resolve_batch_threads(3, threads=8, **args) == 3  # a number is taken as given
@@ -178,13 +208,27 @@ def test_a_run_split_over_threads_trains_as_the_unsplit_run(tmp_path, kind, monk
     assert sum(rows for _, rows in split_calls) == sum(rows for _, rows in calls)
 
 
+def test_a_split_run_with_dropout_resumes_exactly(tmp_path):
+    """20 steps in one go == 10, stop, resume, 10 more, loss for loss and bit for bit, with
+    dropout and attention dropout drawn per shard and gradient accumulation."""
+    cfg = tiny_lm(tmp_path, "train.steps=20", "train.eval_every=0", "train.log_every=3", "train.grad_accum=2",
+                  "model.dropout=0.1", "model.attention_dropout=0.1", "train.batch_threads=2")
+    straight = train(cfg, tmp_path / "a", **QUIET)
+    first = train(cfg, tmp_path / "b", stop_at=10, **QUIET)
+    second = train(cfg, tmp_path / "b", resume=tmp_path / "b", **QUIET)
+    assert first.losses + second.losses == straight.losses and len(straight.losses) == 20
+    a, b = load_checkpoint(straight.checkpoint), load_checkpoint(second.checkpoint)
+    for (name, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
 def test_the_cli_refuses_threads_it_cannot_honour(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("abcdefgh " * 200)
     base = [sys.executable, "-m", "blockformer", "train", "--out", str(tmp_path / "run"), "--set", f"data.text={corpus}",
             "--set", "data.tokenizer=char", "--set", "train.steps=1"]
     for extra, expected in [(["train.batch_threads=0"], "train.batch_threads=0: expected an integer >= 1"),
-                            (["train.batch_threads=2", "model.dropout=0.1"], "train.batch_threads=2: rows cannot")]:
+                            (["train.batch_threads=2", "model.ffn_experts=2"], "train.batch_threads=2: rows cannot")]:
         sets = [a for s in extra for a in ("--set", s)]
         proc = subprocess.run(base + sets, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stderr

@@ -5,7 +5,9 @@ step. Here the keep mask is cut from 64-bit random words, 16 bits per element, s
 of the generator serves four elements (the figures: BENCHMARKS.md, "Kernel choices").
 ``p`` is resolved to 1/65536 and the kept values are scaled by the exact inverse of the
 resulting keep rate, so the expectation is unchanged. The draws come from torch's
-generator, so ``torch.manual_seed`` and a restored RNG state reproduce the masks.
+generator, so ``torch.manual_seed`` and a restored RNG state reproduce the masks; inside
+``generator(g)`` they come from ``g`` instead, on that thread only (a shard of rows on its
+own thread: ``parallel.threads``).
 
 On other devices, for a DTensor, and under ``torch.compile`` (which generates its own masks
 inside the fused kernel), this is ``F.dropout`` (``kernels.cheap_dropout`` decides).
@@ -13,7 +15,10 @@ inside the fused kernel), this is ``F.dropout`` (``kernels.cheap_dropout`` decid
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -22,13 +27,26 @@ from torch import nn
 from .. import kernels
 
 _LEVELS = 1 << 16
+# the generator this thread's masks come from; None: torch's default one
+_GENERATOR: contextvars.ContextVar[torch.Generator | None] = contextvars.ContextVar("blockformer_dropout", default=None)
+
+
+@contextlib.contextmanager
+def generator(g: torch.Generator) -> Iterator[None]:
+    """Draw this thread's dropout masks from ``g`` inside the block."""
+    token = _GENERATOR.set(g)
+    try:
+        yield
+    finally:
+        _GENERATOR.reset(token)
 
 
 def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.device | str = "cpu") -> tuple[torch.Tensor, float]:
     """A bool mask, True with probability ``1 - p`` (to 1/65536), and the keep rate it uses."""
     n = math.prod(shape)
     drop_levels = round(p * _LEVELS)
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(1 << 63), None)
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(1 << 63), None,
+                                                                               generator=_GENERATOR.get())
     bits = words.view(torch.int16)[:n].view(shape)  # uniform over [-32768, 32767]
     return bits >= drop_levels - _LEVELS // 2, 1.0 - drop_levels / _LEVELS
 

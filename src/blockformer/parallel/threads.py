@@ -11,11 +11,17 @@ Each shard's gradients come back on their own (``torch.autograd.grad``) and are 
 shard order before they reach ``.grad``, so a run repeats itself exactly and equals the
 unsplit step to rounding.
 
+A model with dropout draws each shard's masks from a generator of its own
+(``nn.dropout.generator``), seeded from torch's global one on the calling thread, one seed
+per shard in shard order: the masks repeat with ``torch.manual_seed`` and a restored RNG
+state, whatever order the threads run in.
+
 Splitting is refused (explicitly) or left off (``"auto"``) where the shards would share
-state a thread cannot own: random draws (dropout takes the one global generator, whose
-order between threads would vary from run to run), MoE layers (their forward leaves the
-auxiliary losses on the module), activation checkpointing (it forks the global random
-state in the backward), fp16's loss scaler, a compiled loss and a multi-process run.
+state a thread cannot own: MoE layers (their forward leaves the auxiliary losses on the
+module), activation checkpointing (it forks the global random state in the backward), a
+compiled loss and a multi-process run; and in bf16 or fp16 autocast, where a split
+encoder-decoder run in bf16 did not repeat itself bit for bit (its cause not found), and for
+batches other than language modelling and sequence-to-sequence ones.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from ..nn.dropout import generator as dropout_generator
 from ..nn.moe import moe_layers
 from .data import batch_rows, shard_batch
 
@@ -36,7 +43,7 @@ from .data import batch_rows, shard_batch
 AUTO_MAX_THREADS = 2
 
 
-def _draws_random(model: nn.Module) -> bool:
+def draws_random(model: nn.Module) -> bool:
     """Whether a training forward of ``model`` draws random numbers (dropout anywhere)."""
     for m in model.modules():
         p = m.p if isinstance(m, nn.Dropout) else getattr(m, "dropout", None)
@@ -45,33 +52,31 @@ def _draws_random(model: nn.Module) -> bool:
     return False
 
 
-def _conflicts(model: nn.Module, tc: Any, device: torch.device, parallel: bool) -> list[str]:
+def _conflicts(model: nn.Module, tc: Any, device: torch.device, parallel: bool, splittable: bool) -> list[str]:
     """What rules out splitting rows over threads, each as the setting that does."""
-    found = []
+    found = [] if splittable else ["this run's batches (labelled or array data: split by rows for LM and seq2seq only)"]
     if device.type != "cpu":
         found.append(f"train.device: {device.type} (threads split CPU work only)")
     if parallel:
         found.append("a multi-process run (its ranks split the batch already)")
     if tc.compile:
         found.append("train.compile: on")
-    if tc.precision == "fp16":
-        found.append("train.precision: fp16 (its loss scaler)")
+    if tc.precision != "fp32":  # an encoder-decoder in bf16 did not repeat itself bit for bit split
+        found.append(f"train.precision: {tc.precision} (split runs are kept to fp32, which repeats bit for bit)")
     if tc.activation_checkpointing != "none":
         found.append(f"train.activation_checkpointing: {tc.activation_checkpointing}")
-    if _draws_random(model):
-        found.append("dropout > 0 (model.dropout, model.attention_dropout or an adapter's)")
     if moe_layers(model):
         found.append("MoE layers")
     return found
 
 
 def resolve_batch_threads(setting: int | str, model: nn.Module, tc: Any, device: torch.device,
-                          parallel: bool = False, threads: int | None = None) -> int:
+                          parallel: bool = False, threads: int | None = None, splittable: bool = True) -> int:
     """``train.batch_threads`` as a number of shards: ``"auto"`` is torch's thread count where
     that is 2 to ``AUTO_MAX_THREADS`` and nothing conflicts, else 1; a number > 1 that
     conflicts raises UsageError naming the setting in the way."""
     threads = torch.get_num_threads() if threads is None else threads
-    found = _conflicts(model, tc, device, parallel)
+    found = _conflicts(model, tc, device, parallel, splittable)
     if setting == "auto":
         return threads if 2 <= threads <= AUTO_MAX_THREADS and not found else 1
     if setting > 1 and found:
@@ -91,10 +96,11 @@ class RowThreads:
     runs (the optimizer step too): handing the whole count back between steps let torch's
     idle OpenMP threads compete with the next step's shards, which made the split step
     slower than the whole one (BENCHMARKS.md). ``all_threads`` lends it back for a block
-    (an evaluation). ``n = 1`` runs everything on the caller and changes nothing."""
+    (an evaluation). ``n = 1`` runs everything on the caller and changes nothing. ``random``:
+    the model draws dropout masks, each shard from its own generator."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n: int, random: bool = False) -> None:
+        self.n, self.random = n, random
         self.per_thread = max(1, torch.get_num_threads() // n)
         self.pool = (ThreadPoolExecutor(n - 1, "blockformer-rows", _single_threaded, (self.per_thread,))
                      if n > 1 else None)
@@ -111,8 +117,13 @@ class RowThreads:
             (loss * scale).backward()
             return loss.detach()
 
+        seeds = torch.randint(1 << 62, (n,)).tolist() if self.random else None  # torch's stream, in shard order
+
         def run(i: int) -> tuple[torch.Tensor, tuple]:
-            loss = shard_loss(shard_batch(batch, i, n))
+            masks = (dropout_generator(torch.Generator().manual_seed(seeds[i])) if seeds is not None
+                     else contextlib.nullcontext())
+            with masks:
+                loss = shard_loss(shard_batch(batch, i, n))
             return loss.detach(), torch.autograd.grad(loss * scale, params, allow_unused=True)
 
         outs = self._map(run, n)

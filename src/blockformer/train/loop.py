@@ -41,7 +41,7 @@ from ..errors import UsageError
 from ..models import training_metrics
 from ..parallel.checkpoint import full_optimizer_state
 from ..parallel.mesh import stopped_ranks
-from ..parallel.threads import RowThreads, resolve_batch_threads
+from ..parallel.threads import RowThreads, draws_random, resolve_batch_threads
 from ..parallel.meta import wanted as meta_init_wanted
 from ..paths import replace_file
 from ..precision import autocast, check_precision, describe_precision, grad_scaler, resolve_device, resolve_precision
@@ -183,7 +183,7 @@ class _Run:
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # what the optimizer updates
-        self.threads = RowThreads(self.tc.batch_threads)  # its pool starts threads at the first step
+        self.threads = RowThreads(self.tc.batch_threads, random=draws_random(self.model))  # threads start at step 1
 
 
 @dataclass
@@ -229,8 +229,8 @@ def _start(cfg: RunConfig, run_dir: Path, runtime: Any, *, resume, overwrite: bo
     elif on_meta and in_parts:  # its part of the weights now, of the moments with the optimizer
         full_optim = resume_in_parts(model, cfg, resume, state, rows)
     optimizer = build_optimizer(model, tc, lr_scale(model, cfg))
-    tc = dataclasses.replace(tc, batch_threads=resolve_batch_threads(tc.batch_threads, model, tc, device,
-                                                                     runtime.parallel))
+    tc = dataclasses.replace(tc, batch_threads=resolve_batch_threads(
+        tc.batch_threads, model, tc, device, runtime.parallel, splittable=built.objective.rows_split))
     run = _Run(cfg, tc, run_dir, runtime, model, fwd_model, built.objective, built.tokenizer, optimizer,
                build_scheduler(optimizer, tc, cfg.model.d_model), grad_scaler(tc.precision, device), log, good=resume)
     if state is not None:

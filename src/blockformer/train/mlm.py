@@ -35,6 +35,8 @@ EVAL_SEED = 1234
 
 
 class MaskedLM(Objective):
+    rows_split = True  # an MLMBatch is a named tuple of row tensors
+
     def __init__(self, train: LMDataset, val: LMDataset, batch_size: int, seed: int, device: torch.device,
                  vocab_size: int, rates: MaskingRates) -> None:
         self.train, self.val, self.batch_size, self.device = train, val, batch_size, device

@@ -32,6 +32,7 @@ class Objective:
     task description whose batches are loaded (``data.describe``)."""
 
     token_loss = True  # the loss is a mean over tokens (a perplexity is reported)
+    rows_split = False  # parallel.data.shard_batch splits its batches by rows (train.batch_threads)
 
     @classmethod
     def from_data(cls, data: TaskData, device: torch.device) -> Objective:
@@ -78,6 +79,8 @@ class LanguageModelling(Objective):
     """Next-token prediction on random windows; the window sampler's generator is the data
     position, so resuming restores it."""
 
+    rows_split = True
+
     def __init__(
         self, train: LMDataset, val: LMDataset, batch_size: int, seed: int, device: torch.device
     ) -> None:
@@ -119,6 +122,8 @@ class Seq2Seq(Objective):
     """Target given source. Training batches come from a ``TokenBatcher`` (aligned pairs,
     by token count) or ``TaskBatches`` (a synthetic task, drawn from a generator); the
     validation batches are fixed; a task also reports exact match by greedy decoding."""
+
+    rows_split = True
 
     def __init__(
         self,

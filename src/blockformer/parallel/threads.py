@@ -2,7 +2,9 @@
 
 On a CPU with few cores, a small model's matmuls are too small to split well between
 threads: at nanoGPT's CPU shape two threads on each 768-row product ran a step in 46 ms
-where one thread on half the rows took 34 ms. ``train.batch_threads`` splits each
+where one thread on half the rows took 34 ms (a scratch timing of the plain loop on a Zen 4
+EPYC capped to AVX2; what the split wins is in BENCHMARKS.md, "Rows split over threads").
+``train.batch_threads`` splits each
 micro-batch's rows instead (``shard_batch``, as the data-parallel ranks split a batch),
 and each shard's forward and backward runs on its own thread with its share of torch's
 threads (one each on two cores). torch releases the GIL inside every operator and the

@@ -111,11 +111,17 @@ def check_precision(precision: str, device: torch.device, name: str = "train.pre
         raise UsageError(f"{name}='bf16': this GPU lacks bfloat16; expected 'fp16' or 'fp32'")
 
 
-def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """The forward-pass context for ``precision``: a no-op for fp32."""
+def autocast(precision: str, device: torch.device, cache: bool = True) -> contextlib.AbstractContextManager:
+    """The forward-pass context for ``precision``: a no-op for fp32.
+
+    ``cache=False`` casts a weight anew at each use. torch keeps one cache of cast weights
+    for the whole process and empties it whenever any thread leaves its outermost autocast,
+    so forwards running side by side (``parallel.threads``) would take each other's casts and
+    lose their own midway: a weight's gradient would then be summed over a different set of
+    cast nodes, in a different order, from one run to the next (tested)."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+    return torch.autocast(device_type=device.type, dtype=DTYPES[precision], cache_enabled=cache)
 
 
 def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:

@@ -153,7 +153,7 @@ class TrainConfig:
     device: Device = "auto"
     compile: bool | Compile = "auto"  # auto: on for models whose blocks hold >= 20M weights (train/compile.py)
     # CPU: each micro-batch's rows split over this many threads, side by side (parallel/threads.py);
-    # auto: torch's thread count on a 2-thread fp32 CPU run with nothing in the way, else 1
+    # auto: torch's thread count on a 2-thread CPU run with nothing in the way, else 1
     batch_threads: int | BatchThreads = "auto"
     seed: int = 0
     eval_every: int = 200  # also saves a checkpoint; 0 = only at the end

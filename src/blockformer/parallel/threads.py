@@ -18,12 +18,16 @@ A model with dropout draws each shard's masks from a generator of its own
 per shard in shard order: the masks repeat with ``torch.manual_seed`` and a restored RNG
 state, whatever order the threads run in.
 
+Under bf16 autocast each shard casts the weights for itself (``precision.autocast(cache=False)``):
+torch's cache of cast weights is one for the whole process, emptied whenever any thread leaves
+autocast, and shards sharing it summed a weight's gradient in an order that changed from run
+to run.
+
 Splitting is refused (explicitly) or left off (``"auto"``) where the shards would share
 state a thread cannot own: MoE layers (their forward leaves the auxiliary losses on the
 module), activation checkpointing (it forks the global random state in the backward), a
-compiled loss and a multi-process run; and in bf16 or fp16 autocast, where a split
-encoder-decoder run in bf16 did not repeat itself bit for bit (its cause not found), and for
-batches other than language modelling and sequence-to-sequence ones.
+compiled loss, fp16's loss scaler and a multi-process run; and for batches other than
+language modelling and sequence-to-sequence ones.
 """
 
 from __future__ import annotations
@@ -63,8 +67,8 @@ def _conflicts(model: nn.Module, tc: Any, device: torch.device, parallel: bool, 
         found.append("a multi-process run (its ranks split the batch already)")
     if tc.compile:
         found.append("train.compile: on")
-    if tc.precision != "fp32":  # an encoder-decoder in bf16 did not repeat itself bit for bit split
-        found.append(f"train.precision: {tc.precision} (split runs are kept to fp32, which repeats bit for bit)")
+    if tc.precision == "fp16":
+        found.append("train.precision: fp16 (its loss scaler is not applied per shard)")
     if tc.activation_checkpointing != "none":
         found.append(f"train.activation_checkpointing: {tc.activation_checkpointing}")
     if moe_layers(model):

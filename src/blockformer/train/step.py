@@ -62,17 +62,19 @@ def _backward(model, objective, batches, n_targets, scaler, tc, device, runtime,
     """Backpropagate each micro-batch's share of the step's loss; returns the summed loss.
     Gradients cross the data-parallel ranks once, in the last micro-batch's backward
     (``parallel.grad_sync = "every"``: in each one's)."""
+    split = threads is not None and threads.n > 1  # one process (resolve_batch_threads): no sync, no scaler
 
     def loss_of(rows: Any) -> torch.Tensor:
         # The run's own tokenizer made these ids (< vocab_size by construction): the models'
         # value checks would read them on the host, a device sync per micro-batch.
-        with autocast(tc.precision, device), trusted_inputs():  # both per thread: each shard enters its own
+        # Both contexts are per thread: each shard enters its own, with no cast shared.
+        with autocast(tc.precision, device, cache=not split), trusted_inputs():
             return (loss_fn or objective.loss)(model, rows, tc.label_smoothing)
 
     total = torch.zeros((), device=device)
     for i, batch in enumerate(batches):
         local = runtime.local_batch(batch)
-        if threads is not None and threads.n > 1:  # one process (resolve_batch_threads): no sync, no scaler
+        if split:
             total += threads.backward(loss_of, local, params, 1.0 / n_targets)
             continue
         sync = i == len(batches) - 1 or runtime.grad_sync == "every"  # parallel.grad_sync

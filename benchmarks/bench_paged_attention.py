@@ -4,9 +4,12 @@
 for the shorter rows; what prefill chunks do) and in place (the C kernel of
 ``serve/paged_attention.py``, what decoding rows do) - against SDPA on a contiguous cache
 (``generate``'s ``KVCache``). Per layer, GPT-2-small's heads (12 x 64), fp32, blocks of 16
-tokens scattered through the pool; the three outputs are checked equal.
+tokens scattered through the pool; the three outputs are checked equal. ``--pool-dtypes``
+adds the in-place kernel over a narrower pool (``serve --kv-cache-dtype``): bf16, fp16, or int8
+codes with a scale per slot and head, each checked against SDPA over what that pool holds.
 
     python benchmarks/bench_paged_attention.py --threads 1 --out benchmarks/results/paged-attention.md
+    python benchmarks/bench_paged_attention.py --threads 2 --pool-dtypes bf16,int8
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from blockformer.nn.kv_cache import dequantize_rows, quantize_rows
 from blockformer.serve.paged_attention import decode_attention, kernel
 from blockformer.serve.runner import gather
 
@@ -33,9 +37,22 @@ def timed(fn, repeats: int) -> float:
         return (time.perf_counter() - start) / repeats
 
 
-def case(B: int, S: int, H: int = 12, hd: int = 64, block: int = 16, repeats: int = 200) -> tuple[float, ...]:
-    """(contiguous, gathered, in place) seconds for one layer's decode attention: B rows,
-    pasts of S/2..S."""
+POOLS = {"bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
+
+
+def narrow(pool: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``pool`` kept in ``dtype``: (what the pool holds, an int8 pool's scales or None, its values as fp32)."""
+    if dtype == torch.int8:
+        codes, scale = quantize_rows(pool)
+        return codes, scale, dequantize_rows(codes, scale, torch.float32)
+    held = pool.to(dtype)
+    return held, None, held.float()
+
+
+def case(B: int, S: int, H: int = 12, hd: int = 64, block: int = 16, repeats: int = 200,
+         pools: tuple[str, ...] = ()) -> tuple[float, ...]:
+    """(contiguous, gathered, in place, then in place over each of ``pools``) seconds for one
+    layer's decode attention: B rows, pasts of S/2..S."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(S // 2, S + 1, (B,), generator=g)
     q = torch.randn(B, H, 1, hd, generator=g)
@@ -60,28 +77,45 @@ def case(B: int, S: int, H: int = 12, hd: int = 64, block: int = 16, repeats: in
         return decode_attention(q_rows, pool_k, pool_v, read_rows, valid, hd**-0.5, out)
 
     torch.testing.assert_close(in_place(), paged()[:, :, 0], atol=1e-5, rtol=1e-5)
-    return timed(contiguous, repeats), timed(paged, repeats), timed(in_place, repeats)
+    times = [timed(contiguous, repeats), timed(paged, repeats), timed(in_place, repeats)]
+    for name in pools:
+        (nk, k_scale, fk), (nv, v_scale, fv) = narrow(pool_k, POOLS[name]), narrow(pool_v, POOLS[name])
+        scales = None if k_scale is None else (k_scale, v_scale)
+
+        def narrow_in_place():
+            return decode_attention(q_rows, nk, nv, read_rows, valid, hd**-0.5, out, scales)
+
+        want = F.scaled_dot_product_attention(q, gather(fk, read, B, S, buf_k), gather(fv, read, B, S, buf_v),
+                                              attn_mask=mask)[:, :, 0]
+        torch.testing.assert_close(narrow_in_place(), want, atol=1e-5, rtol=1e-5)
+        times.append(timed(narrow_in_place, repeats))
+    return tuple(times)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--pool-dtypes", default="", help="also the kernel over these pools: bf16, fp16, int8")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    pools = tuple(n for n in args.pool_dtypes.split(",") if n)
+    if any(n not in POOLS for n in pools):
+        parser.error(f"--pool-dtypes: {args.pool_dtypes!r}; expected names among {', '.join(POOLS)}")
     torch.set_num_threads(args.threads)
     kind = cpu_kind()
     lines = [f"# Paged attention: one decode step's attention per layer ({kind} CPU, {args.threads} thread(s), "
              f"torch {torch.__version__})", "",
              "| rows | past tokens | contiguous cache (us) | gathered from blocks (us) | in place, C kernel (us) "
-             "| gathered / contiguous | in place / contiguous |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    if kernel() is None:
+             "| gathered / contiguous | in place / contiguous |"
+             + "".join(f" in place, {n} pool (us) | fp32 pool / {n} pool |" for n in pools),
+             "|---:|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * len(pools)]
+    if kernel() is None or any(kernel(POOLS[n]) is None for n in pools):
         raise SystemExit("the paged attention kernel could not be built here (see the warning above)")
     for B in (1, 16, 64):
         for S in (128, 512, 1024):
-            c, p, k = case(B, S)
+            c, p, k, *narrow_times = case(B, S, pools=pools)
             lines.append(f"| {B} | {S // 2}-{S} | {c * 1e6:.0f} | {p * 1e6:.0f} | {k * 1e6:.0f} | {p / c:.2f} | "
-                         f"{k / c:.2f} |")
+                         f"{k / c:.2f} |" + "".join(f" {t * 1e6:.0f} | {k / t:.2f} |" for t in narrow_times))
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:

@@ -107,7 +107,7 @@ CASES = [
     (["generate", "--checkpoint", "{dec}", "--precision", "fp16"], "--precision"),
     (["generate", "--checkpoint", "{dec}", "--device", "cuda"], "--device")
     if not torch.cuda.is_available() else (["generate"], "--checkpoint"),
-    (["serve", "--checkpoint", "{dec}", "--kv-cache-dtype", "int8"], "--kv-cache-dtype"),  # the paged pool: floats
+    (["serve", "--checkpoint", "{dec}", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
     # translate
     (["translate", "--checkpoint", "{ed}", "--input", "{src}", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
     (["translate", "--checkpoint", "{ed}", "--input", "{src}", "--beam", "0"], "--beam"),

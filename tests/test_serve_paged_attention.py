@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from blockformer import native
 from blockformer.generate import generate
 from blockformer.serve import Engine, paged_attention
-from blockformer.serve.runner import gather
+from blockformer.nn.kv_cache import dequantize_rows, quantize_rows
+from blockformer.serve.runner import PagedPool, gather
 
 from test_serve_engine import GREEDY, TOK, alone, make, prompts, staggered
 
@@ -81,24 +82,69 @@ def test_the_kernel_reads_an_fp16_pool_under_fp32_queries():
     torch.testing.assert_close(out, gathered(q, pool_k.float(), pool_v.float(), read, mask, 0.3), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_heads,threads", [(4, 1), (2, 2), (1, 3)])
+def test_the_kernel_reads_an_int8_pool_as_its_codes_times_their_scales(kv_heads, threads):
+    """An int8 pool (``quantize_rows``: codes and one scale per slot and head) attended in place
+    gives the fp32 attention over the dequantized pool, on every thread count and grouping; the
+    scales are read per slot and head (a pool whose scales are all alike would not show it)."""
+    assert paged_attention.kernel(torch.int8) is not None
+    q, pool_k, pool_v, read, mask = scattered(7, 24, 8, kv_heads, 16, seed=kv_heads)
+    pool_k, pool_v = pool_k * torch.rand(pool_k.shape[:2])[..., None] * 4, pool_v * torch.rand(pool_v.shape[:2])[..., None]
+    (k8, k_scale), (v8, v_scale) = quantize_rows(pool_k), quantize_rows(pool_v)
+    want = gathered(q, dequantize_rows(k8, k_scale, torch.float32), dequantize_rows(v8, v_scale, torch.float32),
+                    read, mask, 0.3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_attention.decode_attention(q, k8, v8, read, mask, 0.3, torch.full_like(q, float("nan")),
+                                               (k_scale, v_scale))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert (out - gathered(q, pool_k, pool_v, read, mask, 0.3)).abs().max() > 1e-5  # the codes were read, not floats
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8])
 def test_an_fp32_engine_keeps_its_pool_in_the_kv_cache_dtype_and_decodes_as_generate_does(dtype, monkeypatch):
-    """``kv_cache_dtype``: the pool holds bf16/fp16 (twice the blocks in the default budget), the decoding
-    rows read it in place, and the tokens are generate's with the same cache dtype."""
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    """``kv_cache_dtype``: the pool holds bf16/fp16 (twice the blocks in the default budget) or int8
+    codes and their scales (hd + 4 bytes a row against 4 * hd), the decoding rows read it in place,
+    and the tokens are generate's with the same cache dtype."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8"}[dtype]
     pools = []
     real = paged_attention.decode_attention
-    monkeypatch.setattr(paged_attention, "decode_attention", lambda q, pk, *a: pools.append(pk.dtype) or real(q, pk, *a))
+    monkeypatch.setattr(paged_attention, "decode_attention",
+                        lambda q, pk, *a, **kw: pools.append(pk.dtype) or real(q, pk, *a, **kw))
     model, ps = make(n_kv_heads=2), prompts(4)
     engine = Engine(model, TOK, block_size=4, max_num_batched_tokens=20, max_running=4, kv_cache_dtype=name)
-    assert engine.blocks.num_blocks == 2 * Engine(model, TOK, block_size=4).blocks.num_blocks
+    fp32_blocks, hd = Engine(model, TOK, block_size=4).blocks.num_blocks, model.cfg.d_model // model.cfg.n_heads
+    ratio = 2 if dtype != torch.int8 else 4 * hd / (hd + 4)
+    assert engine.blocks.num_blocks in (int(ratio * fp32_blocks), int(ratio * fp32_blocks) + 1)
     ours = staggered(engine, ps)
     assert ours == [generate(model, [p], 16, temperature=0, kv_cache_dtype=name)[0] for p in ps]
     assert len(pools) >= 16 * model.cfg.n_layers and set(pools) == {dtype}
     with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8'; expected one of auto, fp32, bf16, fp16"):
         Engine(model, TOK, kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="kv_cache_dtype: 'int8'; the server's paged pool holds auto, fp32, bf16 or fp16"):
-        Engine(model, TOK, kv_cache_dtype="int8")
+
+
+def test_an_int8_pool_writes_codes_and_scales_and_gathers_them_dequantized():
+    """What the prefill chunks read from an int8 pool: the keys and values written, to within half
+    a scale of each slot's head, at the slots written; the other slots stay zero."""
+    model = make(n_kv_heads=2)
+    pool = PagedPool(model, num_blocks=4, block_size=4, dtype=torch.int8)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g) * 3
+    slots = torch.tensor([3, 9, 10, 0, 14])
+    pool.write(1, slots, k, v)
+    assert pool.k[1].dtype == torch.int8 and pool.scales(0)[0].abs().sum() == 0
+    read = torch.tensor([0, 3, 9, 10, 14, 16])  # 16: the dummy slot, never written
+    gk, gv = pool.gathered(1, read, 2, 3, torch.float32)
+    assert gk.shape == (2, 2, 3, 8) and gk.dtype == torch.float32
+    order = torch.tensor([3, 0, 1, 2, 4])  # the written rows in read order
+    for got, want, scale in ((gk, k, pool.k_scale[1]), (gv, v, pool.v_scale[1])):
+        flat = got.transpose(1, 2).reshape(6, 2, 8)
+        assert torch.all((flat[:5] - want[order]).abs() <= scale[read[:5]][..., None] / 2 + 1e-7)
+        assert torch.equal(flat[5], torch.zeros(2, 8))
+    assert PagedPool.bytes_per_block(model, 4, torch.int8) * 32 == PagedPool.bytes_per_block(model, 4) * (8 + 4)
 
 
 def test_a_bf16_engines_decoding_rows_go_through_the_kernel_and_get_the_attention_of_the_pool():
@@ -109,7 +155,8 @@ def test_a_bf16_engines_decoding_rows_go_through_the_kernel_and_get_the_attentio
     calls = []
     real = paged_attention.decode_attention
 
-    def checked(q, pool_k, pool_v, read, mask, scale, out):
+    def checked(q, pool_k, pool_v, read, mask, scale, out, scales=None):
+        assert scales is None  # a float pool
         y = real(q, pool_k, pool_v, read, mask, scale, out)
         want = gathered(q.float(), pool_k.float(), pool_v.float(), read, mask, scale)
         calls.append((y.dtype, pool_k.dtype, (y.float() - want).abs().max().item(), want.abs().max().item()))
@@ -130,7 +177,8 @@ def test_a_bf16_engines_decoding_rows_go_through_the_kernel_and_get_the_attentio
 def test_decoding_rows_of_the_engine_go_through_the_kernel(monkeypatch):
     calls = []
     real = paged_attention.decode_attention
-    monkeypatch.setattr(paged_attention, "decode_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    monkeypatch.setattr(paged_attention, "decode_attention",
+                        lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
     model, ps = make(n_kv_heads=2), prompts(4)
     engine = Engine(model, TOK, block_size=4, max_num_batched_tokens=20, max_running=4)
     assert staggered(engine, ps) == alone(model, ps)

@@ -132,8 +132,9 @@ PAGED_DECODE_KERNEL = True
 
 
 def paged_decode_kernel(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a server's decoding rows use that kernel: fp32, bf16 and fp16 pools on the CPU (it has no other)."""
-    return PAGED_DECODE_KERNEL and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    """Whether a server's decoding rows use that kernel: fp32, bf16, fp16 and int8 pools on the CPU (it has no other)."""
+    return PAGED_DECODE_KERNEL and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16,
+                                                                      torch.int8)
 
 
 # --- weight-only int8/int4 decoding (generate/quantize.py) ------------------------------

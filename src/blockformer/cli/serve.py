@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV-cache block")
     parser.add_argument("--num-blocks", type=int, default=None, metavar="N",
                         help="KV-cache blocks in the pool (default: the engine sizes it)")
-    add_kv_cache_argument(parser, int8=False)
+    add_kv_cache_argument(parser)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
                         help="token budget of one engine step (prefill chunks + decodes; default 512)")
     parser.add_argument("--max-running", type=int, default=64, metavar="N",

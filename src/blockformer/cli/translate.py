@@ -48,13 +48,11 @@ def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
                              "outputs")
 
 
-def add_kv_cache_argument(parser: argparse.ArgumentParser, int8: bool = True) -> None:
-    """``--kv-cache-dtype`` (generate, serve, translate, eval): ``generate.step.resolve_kv_dtype`` reads it.
-    ``int8``: offered (serve's paged pool holds floats only)."""
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"] + ["int8"] * int8,
+def add_kv_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """``--kv-cache-dtype`` (generate, serve, translate, eval): ``generate.step.resolve_kv_dtype`` reads it."""
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "int8"],
                         help="what the KV cache holds (auto: what attention computes in); bf16 or fp16 halve "
-                             "its bytes, rounding keys and values" + ("; int8 quarters them, with a scale per "
-                                                                      "slot and head" if int8 else ""))
+                             "its bytes, rounding keys and values; int8 quarters them, with a scale per slot and head")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -108,9 +108,6 @@ class Engine:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise UsageError(f"{name}: {value!r}; expected an integer >= {low}")
         kv_dtype = resolve_kv_dtype(kv_cache_dtype)  # None: the dtype attention computes in
-        if kv_dtype == torch.int8:
-            raise UsageError("kv_cache_dtype: 'int8'; the server's paged pool holds auto, fp32, bf16 or fp16 "
-                             "(an int8 cache is for generate and translate)")
         self.model, self.tokenizer, self.cfg = model.eval(), tokenizer, cfg
         self.arch, self.model_name, self.chat_template = cfg.arch, model_name, chat_template
         self.max_context = cfg.max_seq_len

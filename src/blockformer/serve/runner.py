@@ -30,7 +30,7 @@ from torch import nn
 from .. import kernels
 from ..models.checks import trusted_inputs
 from ..nn.attention import sdpa
-from ..nn.kv_cache import KVCache, Segment
+from ..nn.kv_cache import KVCache, Segment, dequantize_rows, quantize_rows
 from . import paged_attention
 
 
@@ -90,13 +90,9 @@ class PagedView(KVCache):
     def update(self, layer: int, cache_pos, k: torch.Tensor, v: torch.Tensor):
         """Write the real new keys/values (B, H_kv, T, hd) into the pool; read every row's
         (B, H_kv, S, hd) back through its block table."""
-        pk, pv = self.pool.k[layer], self.pool.v[layer]  # (slots, H_kv, hd)
         real = self.real
-        pk.index_copy_(0, self.write, k.transpose(1, 2)[real].to(pk.dtype))
-        pv.index_copy_(0, self.write, v.transpose(1, 2)[real].to(pv.dtype))
-        gk = gather(pk, self.read, self.B, self.S, self.pool.buffer("k", len(self.read)))
-        gv = gather(pv, self.read, self.B, self.S, self.pool.buffer("v", len(self.read)))
-        return gk, gv
+        self.pool.write(layer, self.write, k.transpose(1, 2)[real], v.transpose(1, 2)[real])
+        return self.pool.gathered(layer, self.read, self.B, self.S, k.dtype)
 
     def reorder(self, index) -> None:  # pragma: no cover - beam search does not run on the pool
         raise NotImplementedError("a paged view is made for one call")
@@ -136,8 +132,7 @@ class PackedView(KVCache):
         (the C kernel), the others a gathered copy through SDPA. Returns (1, N, H * hd)."""
         pk, pv = self.pool.k[layer], self.pool.v[layer]  # (slots, H_kv, hd)
         n = len(self.write)  # the real tokens; any after them are padding
-        pk.index_copy_(0, self.write, k[0, :, :n].transpose(0, 1).to(pk.dtype))
-        pv.index_copy_(0, self.write, v[0, :, :n].transpose(0, 1).to(pv.dtype))
+        self.pool.write(layer, self.write, k[0, :, :n].transpose(0, 1), v[0, :, :n].transpose(0, 1))
         _, H, N, hd = q.shape
         y = q.new_empty(N, H, hd)
         y[n:] = 0  # the padding's rows: no segment, no attention
@@ -147,11 +142,10 @@ class PackedView(KVCache):
             if seg.tokens == 1 and self.in_place and mask is not None and mask.dtype == torch.bool:
                 paged_attention.decode_attention(q_s[:, :, 0].contiguous(), pk, pv, read,
                                                  mask.expand(seg.rows, 1, 1, -1).reshape(seg.rows, -1).contiguous(),
-                                                 hd**-0.5 if scale is None else scale, y[a:b])
+                                                 hd**-0.5 if scale is None else scale, y[a:b],
+                                                 scales=self.pool.scales(layer))
                 continue
-            S = read.shape[1]
-            gk = gather(pk, read.view(-1), seg.rows, S, self.pool.buffer("k", read.numel()))
-            gv = gather(pv, read.view(-1), seg.rows, S, self.pool.buffer("v", read.numel()))
+            gk, gv = self.pool.gathered(layer, read.view(-1), seg.rows, read.shape[1], q.dtype)
             y_s = sdpa(q_s, gk, gv, mask, False, 0.0, scale)
             y[a:b].view(seg.rows, seg.tokens, H, hd).copy_(y_s.transpose(1, 2))
         return y.view(1, N, H * hd)
@@ -218,7 +212,9 @@ def _stack_memory_mask(rows: list[RowInput]) -> torch.Tensor | None:
 
 class PagedPool:
     """Keys and values of every layer, (num_blocks * block_size + 1, H_kv, head_dim) each;
-    the last slot is never written (zeros): the invalid slots of a view read it."""
+    the last slot is never written (zeros): the invalid slots of a view read it. An int8 pool
+    (``kv_cache_dtype="int8"``) holds codes, and each slot's scale per key/value head in
+    ``k_scale``/``v_scale`` (slots, H_kv) fp32, as ``KVCache`` keeps them (``quantize_rows``)."""
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> None:
         probe = model.new_cache(1, 1, dtype=dtype)  # dtype None: the model's own
@@ -228,8 +224,37 @@ class PagedPool:
         device = probe.k[0].device
         self.k = [torch.zeros(slots, n_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(self.n_layers)]
         self.v = [torch.zeros(slots, n_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(self.n_layers)]
+        self.k_scale = self.v_scale = None
+        if dtype == torch.int8:
+            self.k_scale = [torch.zeros(slots, n_kv_heads, device=device) for _ in range(self.n_layers)]
+            self.v_scale = [torch.zeros(slots, n_kv_heads, device=device) for _ in range(self.n_layers)]
         self.dummy_slot = slots - 1
         self._buffers: dict[str, torch.Tensor] = {}
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values (n, H_kv, hd) of the tokens going to pool ``slots`` (n,): cast to the
+        pool's dtype, or an int8 pool's codes and scales."""
+        if self.k_scale is not None:
+            (k, k_scale), (v, v_scale) = quantize_rows(k), quantize_rows(v)
+            self.k_scale[layer].index_copy_(0, slots, k_scale)
+            self.v_scale[layer].index_copy_(0, slots, v_scale)
+        self.k[layer].index_copy_(0, slots, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.v[layer].dtype))
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An int8 pool's key and value scales (slots, H_kv) of ``layer``; None for a float pool."""
+        return None if self.k_scale is None else (self.k_scale[layer], self.v_scale[layer])
+
+    def gathered(self, layer: int, read: torch.Tensor, B: int, S: int, dtype: torch.dtype):
+        """``layer``'s keys and values at pool slots ``read`` (B * S,), (B, H_kv, S, hd) each, in
+        buffers kept from call to call; an int8 pool's dequantized to ``dtype``."""
+        k = gather(self.k[layer], read, B, S, self.buffer("k", len(read)))
+        v = gather(self.v[layer], read, B, S, self.buffer("v", len(read)))
+        if self.k_scale is None:
+            return k, v
+        k_scale, v_scale = (t[layer].index_select(0, read).view(B, S, -1).transpose(1, 2)
+                            for t in (self.k_scale, self.v_scale))
+        return dequantize_rows(k, k_scale, dtype), dequantize_rows(v, v_scale, dtype)
 
     def buffer(self, name: str, rows: int) -> torch.Tensor:
         """A (rows, H_kv, hd) buffer for gathered keys or values: one per name, reused by
@@ -244,7 +269,8 @@ class PagedPool:
     def bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype | None = None) -> int:
         probe = model.new_cache(1, 1, dtype=dtype)
         one = probe.k[0]
-        return 2 * len(probe.k) * block_size * one.shape[1] * one.shape[3] * one.element_size()
+        row = one.shape[3] * one.element_size() + (4 if probe.k_scale is not None else 0)  # an int8 row's scale
+        return 2 * len(probe.k) * block_size * one.shape[1] * row
 
 
 class ModelRunner:

@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from blockformer import native
-from blockformer.generate import generate
-from blockformer.serve import Engine, paged_attention
+from blockformer.generate import generate, greedy_decode
 from blockformer.nn.kv_cache import dequantize_rows, quantize_rows
+from blockformer.serve import Engine, SamplingParams, paged_attention
 from blockformer.serve.runner import PagedPool, gather
+from blockformer.tokenizers import EOS_ID
 
 from test_serve_engine import GREEDY, TOK, alone, make, prompts, staggered
 
@@ -124,6 +125,18 @@ def test_an_fp32_engine_keeps_its_pool_in_the_kv_cache_dtype_and_decodes_as_gene
     assert len(pools) >= 16 * model.cfg.n_layers and set(pools) == {dtype}
     with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8'; expected one of auto, fp32, bf16, fp16"):
         Engine(model, TOK, kv_cache_dtype="fp8")
+
+
+def test_an_encoder_decoders_int8_pool_gives_greedy_decodes_tokens_with_an_int8_cache():
+    """Its decoder's self-attention keys as int8 codes in the pool (cross-attention keys stay in
+    the model's dtype, as in the int8 ``KVCache``): each source's tokens are ``greedy_decode``'s."""
+    model = make("encoder-decoder")
+    sources = [p[:20] for p in prompts(6, seed=2)]
+    ref = greedy_decode(model, [s + [EOS_ID] for s in sources], max_len=18, kv_cache_dtype="int8")
+    engine = Engine(model, TOK, block_size=4, max_num_batched_tokens=8, kv_cache_dtype="int8")
+    assert engine.runner.pool.k[0].dtype == torch.int8
+    got = staggered(engine, sources, SamplingParams(max_tokens=18, temperature=0), every=1, source=True)
+    assert got == [[t for t in r if t != EOS_ID] for r in ref]
 
 
 def test_an_int8_pool_writes_codes_and_scales_and_gathers_them_dequantized():

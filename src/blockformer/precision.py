@@ -117,8 +117,8 @@ def autocast(precision: str, device: torch.device, cache: bool = True) -> contex
     ``cache=False`` casts a weight anew at each use. torch keeps one cache of cast weights
     for the whole process and empties it whenever any thread leaves its outermost autocast,
     so forwards running side by side (``parallel.threads``) would take each other's casts and
-    lose their own midway: a weight's gradient would then be summed over a different set of
-    cast nodes, in a different order, from one run to the next (tested)."""
+    lose their own midway: a weight's gradient would then come through different cast nodes
+    from one run to the next, and be summed differently (tested)."""
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision], cache_enabled=cache)

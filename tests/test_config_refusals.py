@@ -87,6 +87,7 @@ def test_a_real_ctrl_c_while_torch_imports_is_one_line_and_exit_130(tmp_path, en
     """A SIGINT at several moments of start-up (the package, torch, the subcommand loading):
     never a traceback. ``import blockformer`` loads nothing heavy, so torch loads inside the
     command line's handling."""
+    import os
     import signal
     import subprocess
     import sys
@@ -96,13 +97,21 @@ def test_a_real_ctrl_c_while_torch_imports_is_one_line_and_exit_130(tmp_path, en
     exe = [sys.executable, "-m", "blockformer"] if entry == "module" else [str(Path(sys.executable).with_name("blockformer"))]
     if entry == "script" and not Path(exe[0]).exists():
         pytest.skip("the blockformer console script is not installed beside this python")
+    # PYTHONFAULTHANDLER: a run still going at the timeout is sent SIGABRT, and faulthandler writes
+    # where each of its threads was into the failure message (a lost SIGINT was seen once, on a
+    # machine loaded twice over, and not since in 150 tries under load; this says where, next time)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     for delay in (0.1, 0.4):  # inside the imports (torch alone takes over a second)
         p = subprocess.Popen([*exe, "train", "--preset", "copy", "--out", str(tmp_path / "run")],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         try:
             time.sleep(delay)
             p.send_signal(signal.SIGINT)
             _, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGABRT)
+            _, err = p.communicate(timeout=30)
+            pytest.fail(f"SIGINT after {delay} s: still running 60 s later; its threads then:\n{err[-4000:]}")
         finally:  # a run that carried on must not outlive the test: it would slow every test after it
             p.kill()
             p.wait()

@@ -1,0 +1,44 @@
+"""benchmarks/bench_shard_kernels.py: its written-out attention is the fused one, and it reports a row per kernel."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_shard_kernels import SavedSoftmaxAttention  # noqa: E402
+
+
+def test_the_attention_that_keeps_its_softmax_gives_the_fused_outputs_and_gradients():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 7, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    do = torch.randn(3, 2, 7, 8, dtype=torch.float64)
+    got = SavedSoftmaxAttention.apply(q, k, v)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g_got = torch.autograd.grad(got, (q, k, v), do)
+    g_want = torch.autograd.grad(want, (q, k, v), do)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_it_reports_each_kernel_in_microseconds(tmp_path):
+    out = tmp_path / "shard.md"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_shard_kernels.py"), "--rows", "2", "--tokens", "8",
+                    "--ffn", "16", "--repeats", "2", "--out", str(out)], check=True, capture_output=True, text=True,
+                   timeout=300)
+    text = out.read_text()
+    times = [float(m) for m in re.findall(r"\| (\d+) \|$", text, re.M)]
+    assert len(times) == 5 and all(t >= 0 for t in times)
+    assert float(re.search(r"differ by at most (\S+)\.", text).group(1)) < 1e-5
+
+
+def test_a_size_below_one_exits_2():
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_shard_kernels.py"), "--rows", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--rows: expected at least 1" in done.stderr

@@ -163,6 +163,40 @@ def test_generate_with_a_draft_checkpoint_prints_plain_greedy_and_the_acceptance
     assert main([*cmd, "--draft", str(draft), "--num-draft", "0"]) == 2
 
 
+def test_generate_streams_the_weights_of_its_one_row_steps_and_packs_a_speculative_checks(lm_run, capsys, monkeypatch):
+    """On a CPU that packs fp32 (AVX-512, no AMX): the one prompt's one-row steps stream the weights
+    instead, as does a draft; a target that checks 4 drafts (5 rows a step) packs, one that checks 3 streams."""
+    import blockformer.generate as generate_package
+    from blockformer import kernels
+    from blockformer.generate import PackedLinear, packed
+    from blockformer.generate.packed import StreamedLinear
+
+    run_dir, args = lm_run
+    if not (run_dir / "best").exists():
+        main(args)
+    monkeypatch.setattr(packed, "can_pack", lambda dtype: True)
+    monkeypatch.setattr(kernels, "cpu_has", lambda probe: False)
+    prepared, real = [], generate_package.prepare_for_decoding
+    monkeypatch.setattr(generate_package, "prepare_for_decoding",
+                        lambda model, *a, **kw: prepared.append(real(model, *a, **kw)) or prepared[-1])
+
+    def kinds(model):
+        return {type(m).__name__ for m in model.modules() if isinstance(m, (PackedLinear, StreamedLinear))}
+
+    cmd = ["generate", "--checkpoint", str(run_dir), "--prompt", "def f", "--max-new-tokens", "12", "--temperature", "0"]
+    assert main(cmd) == 0
+    plain = capsys.readouterr().out
+    assert [kinds(m) for m in prepared] == [{"StreamedLinear"}]
+    prepared.clear()
+    assert main([*cmd, "--draft", str(run_dir), "--num-draft", "4"]) == 0
+    assert capsys.readouterr().out == plain
+    assert [kinds(m) for m in prepared] == [{"PackedLinear"}, {"StreamedLinear"}]  # the target, then the draft
+    prepared.clear()
+    assert main([*cmd, "--draft", str(run_dir), "--num-draft", "3"]) == 0
+    assert capsys.readouterr().out == plain
+    assert [kinds(m) for m in prepared] == [{"StreamedLinear"}, {"StreamedLinear"}]
+
+
 def test_eval_prints_loss_and_perplexity(lm_run, capsys):
     run_dir, args = lm_run
     if not (run_dir / "best").exists():

@@ -171,3 +171,21 @@ def test_a_model_packed_for_a_compiled_step_keeps_weights_the_step_can_read(monk
     assert sum(isinstance(m, StreamedLinear) for m in model.modules()) == (0 if amx else 2 * 4 + 1)
     prompt = torch.tensor([[1, 2, 3]])
     assert generate(model, prompt, 4, temperature=0, compile=True) == generate(_decoder(), prompt, 4, temperature=0)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_a_step_of_few_rows_streams_the_fp32_weights_that_would_pack(monkeypatch, amx):
+    """``rows``: where every step has STREAM_ROWS rows or fewer (``generate``'s one prompt), fp32 weights
+    stream through the C kernel on a CPU that would pack them (it decoded faster there at batch 1);
+    more rows, or rows not known, pack; bf16 packs (the kernel is fp32), and an AMX CPU streams nothing."""
+    monkeypatch.setattr(packed_module, "can_pack", lambda dtype: True)  # an AVX-512 CPU where packing pays
+    monkeypatch.setattr(kernels, "cpu_has", lambda probe: amx and probe == "_is_amx_tile_supported")
+    for rows, packs in ((1, amx), (packed_module.STREAM_ROWS, amx), (packed_module.STREAM_ROWS + 1, True), (None, True)):
+        model = pack_linears(_decoder(), rows=rows)
+        assert sum(isinstance(m, PackedLinear) for m in model.modules()) == (2 * 4 + 1 if packs else 0), rows
+        assert sum(isinstance(m, StreamedLinear) for m in model.modules()) == (0 if packs else 2 * 4 + 1), rows
+    assert all(not isinstance(m, StreamedLinear) for m in pack_linears(_decoder().to(torch.bfloat16), rows=1).modules())
+    model = prepare_for_decoding(_decoder(), "fp32", pack=True, rows=1)
+    assert any(isinstance(m, StreamedLinear) for m in model.modules()) != amx
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 6]])  # a prompt of more rows than the kernel takes: F.linear, then 1-row steps
+    assert generate(model, prompt, 6, temperature=0) == generate(_decoder(), prompt, 6, temperature=0)

@@ -123,6 +123,19 @@ def streams_decode_matmuls(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and not cpu_has("_is_amx_tile_supported")
 
 
+# Where every step has a few rows (``generate``'s one prompt), that kernel decoded GPT-2 small faster than
+# oneDNN's packed weights on both AVX512-BF16 EPYCs, which pack fp32 for eager steps: 1.05-1.10x on a Zen 4
+# and 1.03-1.14x on a Zen 5, batch 1, a 16-token prompt included. Packing keeps many rows (a server's
+# batches, beam search, a speculative target's drafts): at 16 rows it ran 1.7-1.9x the kernel there
+# (BENCHMARKS.md "Decoding on an AVX512-BF16 EPYC", its Zen 5 part).
+STREAM_FEW_ROWS = True
+
+
+def streams_rather_than_packs(dtype: torch.dtype) -> bool:
+    """Whether weights that would pack stream instead when each decode step has a few rows."""
+    return STREAM_FEW_ROWS and streams_decode_matmuls(dtype)
+
+
 # --- serving (serve/runner.py) ------------------------------------------------------------
 
 # Decoding rows attend through the C kernel that reads the paged pool in place (serve/paged_attention.py),

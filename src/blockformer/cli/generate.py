@@ -89,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
             f"--checkpoint {args.checkpoint}: an {ckpt.config.model.arch} model; generate expects a decoder "
             "(use `blockformer translate` for encoder-decoders)"
         )
-    model = prepare_for_decoding(ckpt.model, args.precision, args.quantize, pack=True, compiled=args.compile)
+    # one prompt at a time: a step has one row, or a speculative check's drafts and the token after them
+    rows = args.num_draft + 1 if args.draft else 1
+    model = prepare_for_decoding(ckpt.model, args.precision, args.quantize, pack=True, compiled=args.compile, rows=rows)
     draft = _load_draft(args, ckpt, device) if args.draft else None
     prompt_ids = ckpt.tokenizer.encode(args.prompt) or [EOS_ID]  # no prompt: a document starts after eos
 
@@ -131,4 +133,4 @@ def _load_draft(args: argparse.Namespace, ckpt, device):
     same = draft.tokenizer.vocab_size == ckpt.tokenizer.vocab_size
     if not same or draft.tokenizer.encode(probe) != ckpt.tokenizer.encode(probe):
         raise UsageError(f"--draft {args.draft}: its tokenizer differs from --checkpoint's; expected the same one")
-    return prepare_for_decoding(draft.model, args.precision, args.quantize, pack=True)  # --draft: never compiled
+    return prepare_for_decoding(draft.model, args.precision, args.quantize, pack=True, rows=1)  # never compiled

@@ -14,7 +14,8 @@ Packing is used only where ``kernels.packs_on_this_cpu`` says it was measured to
 a torch built with oneDNN and a probe product equal to ``F.linear``'s.
 
 Where fp32 weights are not packed on a CPU without AMX (AVX2 always; AVX-512 for a compiled
-step, which cannot read packed weights), ``StreamedLinear`` takes the few-row products
+step, which cannot read packed weights, or for steps known to have a few rows, such as
+``generate``'s one prompt: ``pack_linears(..., rows=1)``), ``StreamedLinear`` takes the few-row products
 instead: ``csrc/f32_matmul.c`` streams the plain weight once for all the rows, at about twice the bandwidth torch's matmul draws at one row there. Its weight stays a plain
 tensor, so it can be compiled (the kernel is then ``torch.ops.blockformer.f32_matmul``). On
 an AMX CPU fp32 weights are neither packed nor streamed: torch's own ``F.linear`` was faster.
@@ -116,20 +117,24 @@ class StreamedLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module, compiled: bool = False) -> nn.Module:
+def pack_linears(model: nn.Module, compiled: bool = False, rows: int | None = None) -> nn.Module:
     """Replace every plain ``nn.Linear`` of a CPU ``model`` in place by a ``PackedLinear``
     where its dtype packs (``can_pack``; not if the step will be ``compiled``: it could not
     read the packed weight), else (compiled steps too) by a ``StreamedLinear`` where
     ``kernels.streams_decode_matmuls`` picks it (and its C++ operator is loaded); others are
-    left as they are. Returns ``model``, in eval mode."""
+    left as they are. ``rows``: the most rows a decode step will have, where the caller knows
+    (``generate``'s one prompt: 1); at ``STREAM_ROWS`` or fewer, weights that stream do so
+    rather than pack (``kernels.streams_rather_than_packs``). Returns ``model``, in eval mode."""
     check_model(model)
+    few_rows = rows is not None and rows <= STREAM_ROWS
 
     def make(linear: nn.Linear) -> nn.Module | None:  # not subclasses: LoRA adds adapters to its product
         if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
             return None
-        if can_pack(linear.weight.dtype) and not compiled:
+        dtype = linear.weight.dtype
+        if can_pack(dtype) and not compiled and not (few_rows and kernels.streams_rather_than_packs(dtype)):
             return PackedLinear(linear)
-        return StreamedLinear.of(linear) if kernels.streams_decode_matmuls(linear.weight.dtype) else None
+        return StreamedLinear.of(linear) if kernels.streams_decode_matmuls(dtype) else None
 
     swap_linears(model, make)
     load_operators_for(model, StreamedLinear)

@@ -401,18 +401,20 @@ def quantize(model: nn.Module, scheme: str | None, group_size: int = 128) -> nn.
 
 
 def prepare_for_decoding(
-    model: nn.Module, precision: str = "fp32", scheme: str | None = None, pack: bool = False, compiled: bool = False
+    model: nn.Module, precision: str = "fp32", scheme: str | None = None, pack: bool = False, compiled: bool = False,
+    rows: int | None = None,
 ) -> nn.Module:
     """``model`` as decoding wants it, in place: its weights stored in the decoding dtype
     (``bf16``/``fp16`` halve the bytes each step reads; autocast would instead re-cast every
     weight on every step), then quantized with ``scheme`` if given, else, with ``pack`` on a
     CPU, its matmul weights laid out for the CPU's few-row kernels (``pack_linears``; with
-    ``compiled``, only where a compiled step can still read them)."""
+    ``compiled``, only where a compiled step can still read them; ``rows``, the most rows a
+    step will have where known, as ``pack_linears`` takes it)."""
     check_model(model)
     if precision not in DTYPES:
         raise ValueError(f"precision={precision!r}: expected one of {tuple(DTYPES)}")
     if DTYPES[precision] != torch.float32:
         model.to(DTYPES[precision])
     if scheme is None and pack:
-        return pack_linears(model, compiled)
+        return pack_linears(model, compiled, rows)
     return quantize(model, scheme)

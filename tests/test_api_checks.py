@@ -272,6 +272,8 @@ BAD_CALLS = {
     "quantize str": (lambda: quantize("model", "int8"), TypeError, "model: a str; expected a blockformer model"),
     "prepare_for_decoding None": (lambda: prepare_for_decoding(None), TypeError, "model: None; expected a blockformer model"),
     "pack_linears None": (lambda: pack_linears(None), TypeError, "model: None"),
+    "pack_linears rows str": (lambda: pack_linears(model(), rows="1"), TypeError, "rows: '1'; expected an integer"),
+    "pack_linears rows 0": (lambda: pack_linears(model(), rows=0), ValueError, "rows: 0; expected an integer >= 1"),
     # streaming text
     "TextStream stop_strings str": (lambda: TextStream(str, None, "END"), TypeError, "stop_strings: a str; expected a list"),
     "TextStream stop_strings int": (lambda: TextStream(str, None, [3]), TypeError, r"stop_strings\[0\]: 3"),

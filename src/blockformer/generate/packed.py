@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels, native
-from ..models.checks import check_model
+from ..models.checks import check_int, check_model
 from .linears import load_operators_for, swap_linears
 
 
@@ -126,7 +126,7 @@ def pack_linears(model: nn.Module, compiled: bool = False, rows: int | None = No
     (``generate``'s one prompt: 1); at ``STREAM_ROWS`` or fewer, weights that stream do so
     rather than pack (``kernels.streams_rather_than_packs``). Returns ``model``, in eval mode."""
     check_model(model)
-    few_rows = rows is not None and rows <= STREAM_ROWS
+    few_rows = rows is not None and check_int(rows, "rows", 1) <= STREAM_ROWS
 
     def make(linear: nn.Linear) -> nn.Module | None:  # not subclasses: LoRA adds adapters to its product
         if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":

@@ -178,7 +178,8 @@ def test_a_step_of_few_rows_streams_the_fp32_weights_that_would_pack(monkeypatch
     """``rows``: where every step has STREAM_ROWS rows or fewer (``generate``'s one prompt), fp32 weights
     stream through the C kernel on a CPU that would pack them (it decoded faster there at batch 1);
     more rows, or rows not known, pack; bf16 packs (the kernel is fp32), and an AMX CPU streams nothing."""
-    monkeypatch.setattr(packed_module, "can_pack", lambda dtype: True)  # an AVX-512 CPU where packing pays
+    real = packed_module.can_pack  # bf16 packs where this CPU can (not under an AVX2 cap)
+    monkeypatch.setattr(packed_module, "can_pack", lambda dtype: dtype == torch.float32 or real(dtype))  # fp32: AVX-512
     monkeypatch.setattr(kernels, "cpu_has", lambda probe: amx and probe == "_is_amx_tile_supported")
     for rows, packs in ((1, amx), (packed_module.STREAM_ROWS, amx), (packed_module.STREAM_ROWS + 1, True), (None, True)):
         model = pack_linears(_decoder(), rows=rows)

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import cpu_kind
+from common import cpu_kind, report
 
 
 def us(fn, repeats: int) -> float:
@@ -96,11 +96,7 @@ def main() -> None:
              f"{args.tokens} tokens x {args.head_dim}; mean of {args.repeats} calls. The two attentions' gradients "
              f"differ by at most {error:.1e}.", "", "| kernel | us per layer |", "|---|---:|"]
     lines += [f"| {name} | {t:.0f} |" for name, t in rows]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    report(lines, args.out)
 
 
 if __name__ == "__main__":

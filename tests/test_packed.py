@@ -112,15 +112,15 @@ def test_a_streamed_linear_takes_few_rows_through_its_kernel_and_computes_the_li
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
-            for shape in ((1, 200), (2, 2, 200), (4, 200), (5, 200), (3, 4, 200)):
+            for shape in ((1, 200), (2, 2, 200), (4, 200), (5, 200), (3, 4, 200), (16, 200), (17, 200)):
                 x = torch.randn(shape)
                 torch.testing.assert_close(streamed(x), linear(x), atol=1e-5, rtol=1e-5)
     finally:
         torch.set_num_threads(before)
-    assert calls == [1, 4, 4]  # up to 4 rows in the kernel; 5 and 12 rows are F.linear's
+    assert calls == [1, 4, 4, 5, 12, 16]  # up to STREAM_ROWS (16) rows in the kernel; 17 rows are F.linear's
     x = torch.randn(1, 200, requires_grad=True)
     streamed(x).sum().backward()  # training: F.linear, with gradients
-    assert calls == [1, 4, 4] and x.grad is not None
+    assert calls == [1, 4, 4, 5, 12, 16] and x.grad is not None
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -153,7 +153,8 @@ def test_where_fp32_does_not_pack_its_linears_stream_and_decode_the_same_tokens_
         calls = count_f32_kernel_calls(monkeypatch)
         assert generate(model, prompt, 12, temperature=0) == plain
         eager_calls = len(calls)
-        assert eager_calls == 11 * 9 + 1  # 11 one-row steps after the prompt, 9 linears each; the prompt's head
+        assert eager_calls == 11 * 9 + 9  # 11 one-row steps after the prompt, 9 linears each; the 6-row prompt's
+        # 8 block linears and its head (at the last position)
         assert generate(model, prompt, 12, temperature=0, compile=True) == plain  # the kernel as a custom op
         assert len(calls) > eager_calls
     finally:
@@ -175,13 +176,14 @@ def test_a_model_packed_for_a_compiled_step_keeps_weights_the_step_can_read(monk
 
 @pytest.mark.parametrize("amx", [False, True])
 def test_a_step_of_few_rows_streams_the_fp32_weights_that_would_pack(monkeypatch, amx):
-    """``rows``: where every step has STREAM_ROWS rows or fewer (``generate``'s one prompt), fp32 weights
+    """``rows``: where every step has STREAM_OVER_PACKED_ROWS rows or fewer (``generate``'s one prompt), fp32 weights
     stream through the C kernel on a CPU that would pack them (it decoded faster there at batch 1);
     more rows, or rows not known, pack; bf16 packs (the kernel is fp32), and an AMX CPU streams nothing."""
     real = packed_module.can_pack  # bf16 packs where this CPU can (not under an AVX2 cap)
     monkeypatch.setattr(packed_module, "can_pack", lambda dtype: dtype == torch.float32 or real(dtype))  # fp32: AVX-512
     monkeypatch.setattr(kernels, "cpu_has", lambda probe: amx and probe == "_is_amx_tile_supported")
-    for rows, packs in ((1, amx), (packed_module.STREAM_ROWS, amx), (packed_module.STREAM_ROWS + 1, True), (None, True)):
+    few = kernels.STREAM_OVER_PACKED_ROWS
+    for rows, packs in ((1, amx), (few, amx), (few + 1, True), (None, True)):
         model = pack_linears(_decoder(), rows=rows)
         assert sum(isinstance(m, PackedLinear) for m in model.modules()) == (2 * 4 + 1 if packs else 0), rows
         assert sum(isinstance(m, StreamedLinear) for m in model.modules()) == (0 if packs else 2 * 4 + 1), rows

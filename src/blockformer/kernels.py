@@ -125,15 +125,15 @@ def streams_decode_matmuls(dtype: torch.dtype) -> bool:
 
 # Where every step has a few rows (``generate``'s one prompt), that kernel decoded GPT-2 small faster than
 # oneDNN's packed weights on both AVX512-BF16 EPYCs, which pack fp32 for eager steps: 1.05-1.10x on a Zen 4
-# and 1.03-1.14x on a Zen 5, batch 1, a 16-token prompt included. Packing keeps many rows (a server's
-# batches, beam search, a speculative target's drafts): at 16 rows it ran 1.7-1.9x the kernel there
-# (BENCHMARKS.md "Decoding on an AVX512-BF16 EPYC", its Zen 5 part).
-STREAM_FEW_ROWS = True
+# and 1.03-1.14x on a Zen 5, batch 1, a 16-token prompt included; by rows it led up to 5 and trailed from 8.
+# Packing keeps more rows (a server's batches, beam search, a check of 4 drafts or more): at 16 rows it ran
+# 1.5-1.9x the kernel there (BENCHMARKS.md "Decoding on an AVX512-BF16 EPYC", its Zen 5 part).
+STREAM_OVER_PACKED_ROWS = 4
 
 
-def streams_rather_than_packs(dtype: torch.dtype) -> bool:
-    """Whether weights that would pack stream instead when each decode step has a few rows."""
-    return STREAM_FEW_ROWS and streams_decode_matmuls(dtype)
+def streams_rather_than_packs(dtype: torch.dtype, rows: int | None) -> bool:
+    """Whether weights that would pack stream instead, for decode steps of at most ``rows`` rows (None: not known)."""
+    return rows is not None and rows <= STREAM_OVER_PACKED_ROWS and streams_decode_matmuls(dtype)
 
 
 # --- serving (serve/runner.py) ------------------------------------------------------------

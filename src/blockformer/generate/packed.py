@@ -75,7 +75,10 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-STREAM_ROWS = 4  # the kernel takes any rows; it was measured at a decode step's 1 to 4, and more go to torch's matmul
+# The kernel takes any rows; up to this many it beat torch's matmul (1.3-2.3x at 5 to 16 rows on a Zen 5 EPYC,
+# native and capped at AVX2, 1.5x at 16 on a Zen 4; level at 32, behind at 64: BENCHMARKS.md "Decoding on an
+# AVX512-BF16 EPYC"), and more go to torch's matmul.
+STREAM_ROWS = 16
 
 
 @functools.cache
@@ -99,7 +102,7 @@ native.matmul_op(f32_matmul)
 
 
 class StreamedLinear(nn.Linear):
-    """An ``nn.Linear`` whose fp32 products of a decode step's few rows (inference, on the CPU)
+    """An ``nn.Linear`` whose fp32 products of up to ``STREAM_ROWS`` rows (inference, on the CPU)
     go through ``csrc/f32_matmul.c``; anything else is ``F.linear``. Same weights, same module
     tree: it can be compiled, saved and quantized as the ``nn.Linear`` it replaces."""
 
@@ -123,16 +126,17 @@ def pack_linears(model: nn.Module, compiled: bool = False, rows: int | None = No
     read the packed weight), else (compiled steps too) by a ``StreamedLinear`` where
     ``kernels.streams_decode_matmuls`` picks it (and its C++ operator is loaded); others are
     left as they are. ``rows``: the most rows a decode step will have, where the caller knows
-    (``generate``'s one prompt: 1); at ``STREAM_ROWS`` or fewer, weights that stream do so
-    rather than pack (``kernels.streams_rather_than_packs``). Returns ``model``, in eval mode."""
+    (``generate``'s one prompt: 1); at a few, weights that stream do so rather than pack
+    (``kernels.streams_rather_than_packs``). Returns ``model``, in eval mode."""
     check_model(model)
-    few_rows = rows is not None and check_int(rows, "rows", 1) <= STREAM_ROWS
+    if rows is not None:
+        check_int(rows, "rows", 1)
 
     def make(linear: nn.Linear) -> nn.Module | None:  # not subclasses: LoRA adds adapters to its product
         if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
             return None
         dtype = linear.weight.dtype
-        if can_pack(dtype) and not compiled and not (few_rows and kernels.streams_rather_than_packs(dtype)):
+        if can_pack(dtype) and not compiled and not kernels.streams_rather_than_packs(dtype, rows):
             return PackedLinear(linear)
         return StreamedLinear.of(linear) if kernels.streams_decode_matmuls(dtype) else None
 

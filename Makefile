@@ -13,8 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
-	# blockformer's C kernels and their C++ operators, built now rather than at a first decode (10-20 s)
-	$(PY) -c "from blockformer import native; native.load_cpp_ops()"
+	# blockformer's C kernels and their C++ operators, built now rather than at a first decode or training step (10-20 s)
+	$(PY) -c "from blockformer import native; native.load_cpp_ops(); native.load('causal_attention'); native.load('gelu')"
 	touch $@
 
 install: $(VENV)/.installed

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .hardware import cpu_has
 
@@ -39,6 +40,50 @@ def unfused_attention(device: torch.device, dtype: torch.dtype, n_keys: int, dro
     in bf16 over short keys where ``UNFUSED_SHORT_BF16`` (fused bf16 backward slower; BENCHMARKS.md)."""
     return device.type == "cpu" and grad and (dropout > 0 or (
         dtype == torch.bfloat16 and n_keys <= CPU_BF16_UNFUSED_MAX_KEYS and UNFUSED_SHORT_BF16))
+
+
+# Causal self-attention in fp32 training over up to this many tokens goes through csrc/causal_attention.c
+# (nn/causal_attention.py), which keeps each (row, head) pair's softmax for its backward, rather than SDPA's
+# fused kernel, which recomputes it: forward + backward 1.5-2.1x faster at nanoGPT's CPU shape (64 tokens,
+# heads of 32) and 1.1-1.5x at 128-512 tokens with heads of 64, on one thread and on two, natively and capped
+# at AVX2, on a 2-core Zen 4 EPYC. Its cost is the kept softmax, T x T floats a pair: hence the limit
+# (BENCHMARKS.md "Causal attention for training over short sequences").
+CAUSAL_TRAINING_KERNEL = True
+CAUSAL_KERNEL_MAX_TOKENS = 256
+
+
+def causal_training_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                           is_causal: bool, dropout: float) -> bool:
+    """Whether causal self-attention of ``q`` over ``k``/``v`` (B, H, T, D) takes that kernel: plain fp32 tensors on
+    the CPU, as many key as query heads, no mask besides the causal one, no dropout, up to
+    ``CAUSAL_KERNEL_MAX_TOKENS`` tokens, each token's values contiguous, with a gradient to take, eager, and
+    torch's own ops wanted by no dispatch mode (``torch_ops_watched``)."""
+    return (CAUSAL_TRAINING_KERNEL and is_causal and mask is None and not dropout and type(q) is torch.Tensor
+            and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
+            and q.shape == k.shape == v.shape and q.shape[2] <= CAUSAL_KERNEL_MAX_TOKENS
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+            and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            and not torch.compiler.is_compiling() and not torch_ops_watched())
+
+
+def torch_ops_watched() -> bool:
+    """Whether a dispatch mode is watching torch's ops (a FLOP counter, the memory probe, fake tensors): the
+    training kernels then step aside, since what they compute in C would not be seen."""
+    return _get_current_dispatch_mode() is not None
+
+
+# Exact GELU in fp32 training goes through csrc/gelu.c (nn/gelu.py), which keeps the derivative from its
+# forward, rather than torch's, whose backward computes erf and exp again (BENCHMARKS.md "Causal attention
+# for training over short sequences").
+GELU_KERNEL = True
+
+
+def gelu_kernel(x: torch.Tensor) -> bool:
+    """Whether exact GELU of ``x`` takes that kernel: a plain fp32 tensor on the CPU, with a gradient to take, eager,
+    no dispatch mode watching (``torch_ops_watched``)."""
+    return (GELU_KERNEL and type(x) is torch.Tensor and x.device.type == "cpu" and x.dtype == torch.float32
+            and x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and not torch_ops_watched())
 
 
 # One new token per row (decoding on a CPU; nn/decode_attention.py) attends through csrc/decode_attention.c

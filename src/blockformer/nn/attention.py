@@ -19,6 +19,7 @@ from torch import nn
 from .. import kernels, native
 from ..config import TransformerConfig
 from ..precision import cast
+from .causal_attention import causal_attention, kernels as causal_attention_built
 from .decode_attention import decode_attention, kernel as decode_attention_built
 from .dropout import dropout as apply_dropout
 from .kv_cache import KVCache, dequantize_rows
@@ -114,6 +115,8 @@ def sdpa(q, k, v, mask, is_causal: bool, dropout: float, scale: float | None = N
     # too where the fused backward is slower (``kernels.unfused_attention``).
     if kernels.unfused_attention(q.device, q.dtype, k.shape[-2], dropout, torch.is_grad_enabled()):
         return _unfused(q, k, v, mask, is_causal, dropout, scale, groups)
+    if kernels.causal_training_kernel(q, k, v, mask, is_causal, dropout) and causal_attention_built():
+        return causal_attention(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)  # fp32 training, short
     kwargs = {"enable_gqa": True} if groups > 1 else {}
     if scale is not None:
         kwargs["scale"] = scale

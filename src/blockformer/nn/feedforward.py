@@ -7,13 +7,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import GATED_FFNS, TransformerConfig
+from .gelu import gelu
 
 ACTIVATIONS = {
     "relu": F.relu,
-    "gelu": F.gelu,
+    "gelu": gelu,  # F.gelu, or in fp32 training a kernel that keeps its derivative (nn/gelu.py)
     "silu": F.silu,
     "swiglu": F.silu,  # Shazeer 2020: SiLU(x W) * (x V)
-    "geglu": F.gelu,  # Shazeer 2020: GELU(x W) * (x V)
+    "geglu": gelu,  # Shazeer 2020: GELU(x W) * (x V)
 }
 
 

@@ -1,10 +1,11 @@
 """What the two non-matmul kernels of a split training step cost, timed alone at one shard's
 shapes (``train.batch_threads``: each thread runs half the rows on one thread of its own):
-exact GELU forward and backward against a product by a saved tensor (what a GELU that kept
-its derivative from the forward would cost in its backward), and causal attention forward +
-backward, torch's fused kernel against one written as batched matmuls that keeps its softmax
-for the backward (its gradients checked against the fused ones). nanoGPT's CPU shape by
-default: 6 rows of 64 tokens, 4 heads of 32, FFN width 512.
+exact GELU forward and backward, torch's against blockformer's (``csrc/gelu.c``, which keeps the
+derivative from its forward, so its backward is a product by a saved tensor), and causal
+attention forward + backward: torch's fused kernel, one written as batched matmuls that keeps
+its softmax for the backward, and blockformer's (``csrc/causal_attention.c``), the last two's
+gradients checked against the fused ones. nanoGPT's CPU shape by default: 6 rows of 64 tokens,
+4 heads of 32, FFN width 512.
 
     MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=1 \\
         python benchmarks/bench_shard_kernels.py --out benchmarks/results/shard-kernels-avx2cap.md
@@ -19,6 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from common import cpu_kind, report
+
+from blockformer.nn.causal_attention import causal_attention
+from blockformer.nn.gelu import GeluKeepingDerivative
 
 
 def us(fn, repeats: int) -> float:
@@ -82,19 +86,30 @@ def main() -> None:
         return [t.grad.clone() for t in (q, k, v)]
 
     fused = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    error = max((a - b).abs().max().item() for a, b in zip(grads(fused), grads(SavedSoftmaxAttention.apply)))
+    kernel = lambda q, k, v: causal_attention(q, k, v, args.head_dim ** -0.5)  # noqa: E731
+    error = max((a - b).abs().max().item() for other in (SavedSoftmaxAttention.apply, kernel)
+                for a, b in zip(grads(fused), grads(other)))
+    xg = x.clone().requires_grad_()
     rows = [
         ("exact GELU, forward", us(lambda: F.gelu(x), args.repeats)),
         ("exact GELU, backward", us(lambda: torch.ops.aten.gelu_backward(dy, x), args.repeats)),
         ("a product by a saved tensor (a backward that kept the derivative)", us(lambda: dy * g, args.repeats)),
+        ("exact GELU keeping its derivative (csrc/gelu.c), forward", us(lambda: GeluKeepingDerivative.apply(xg),
+                                                                        args.repeats)),
+        ("exact GELU, torch's, forward + backward through autograd",
+         us(lambda: torch.autograd.grad(F.gelu(xg), xg, g), args.repeats)),
+        ("exact GELU keeping its derivative, forward + backward through autograd",
+         us(lambda: torch.autograd.grad(GeluKeepingDerivative.apply(xg), xg, g), args.repeats)),
         ("causal attention, fused SDPA, forward + backward", us(lambda: grads(fused), args.repeats)),
         ("causal attention, batched matmuls keeping the softmax, forward + backward",
          us(lambda: grads(SavedSoftmaxAttention.apply), args.repeats)),
+        ("causal attention, blockformer's kernel (csrc/causal_attention.c), forward + backward",
+         us(lambda: grads(kernel), args.repeats)),
     ]
     lines = [f"# One shard's GELU and attention ({cpu_kind()} CPU, {args.threads} thread(s), torch {torch.__version__})",
              "", f"GELU over {args.rows * args.tokens} x {args.ffn}; attention over {args.rows} x {args.heads} heads x "
-             f"{args.tokens} tokens x {args.head_dim}; mean of {args.repeats} calls. The two attentions' gradients "
-             f"differ by at most {error:.1e}.", "", "| kernel | us per layer |", "|---|---:|"]
+             f"{args.tokens} tokens x {args.head_dim}; mean of {args.repeats} calls. The other attentions' gradients "
+             f"differ from the fused one's by at most {error:.1e}.", "", "| kernel | us per layer |", "|---|---:|"]
     lines += [f"| {name} | {t:.0f} |" for name, t in rows]
     report(lines, args.out)
 

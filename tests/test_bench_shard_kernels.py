@@ -1,4 +1,5 @@
-"""benchmarks/bench_shard_kernels.py: its written-out attention is the fused one, and it reports a row per kernel."""
+"""benchmarks/bench_shard_kernels.py: its written-out attention is the fused one, and it reports a row per kernel;
+benchmarks/bench_training_kernels.py reports each setting of the training kernels against torch's."""
 
 import re
 import subprocess
@@ -34,11 +35,30 @@ def test_it_reports_each_kernel_in_microseconds(tmp_path):
                    timeout=300)
     text = out.read_text()
     times = [float(m) for m in re.findall(r"\| (\d+) \|$", text, re.M)]
-    assert len(times) == 5 and all(t >= 0 for t in times)
-    assert float(re.search(r"differ by at most (\S+)\.", text).group(1)) < 1e-5
+    assert len(times) == 9 and all(t >= 0 for t in times)
+    assert float(re.search(r"by at most (\S+)\.", text).group(1)) < 1e-5
 
 
 def test_a_size_below_one_exits_2():
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_shard_kernels.py"), "--rows", "0"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--rows: expected at least 1" in done.stderr
+
+
+def test_the_training_kernels_benchmark_reports_each_setting_against_torchs(tmp_path):
+    out = tmp_path / "kernels.md"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_training_kernels.py"), "--presets", "char-lm-tiny",
+                    "--rows", "2", "--windows", "1", "--steps", "1", "--out", str(out)], check=True,
+                   capture_output=True, text=True, timeout=300)
+    rows = re.findall(r"^\| `char-lm-tiny` \| 2 \| (.+?) \| ([\d.]+) \| ([\d.]+)x \|$", out.read_text(), re.M)
+    assert [r[0] for r in rows] == ["torch's attention and GELU", "blockformer's attention", "blockformer's GELU",
+                                    "both of blockformer's"]
+    assert all(float(ms) > 0 for _, ms, _ in rows) and float(rows[0][2]) == 1.0
+    for setting, ms, ratio in rows:  # each ratio is the first setting's time over this one's
+        assert abs(float(ratio) - float(rows[0][1]) / float(ms)) < 0.01
+
+
+def test_the_training_kernels_benchmark_refuses_a_size_below_one():
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_training_kernels.py"), "--windows", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--windows: expected at least 1" in done.stderr

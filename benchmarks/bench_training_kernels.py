@@ -7,6 +7,12 @@ machine; the median of each setting's windows, in ms per step.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_training_kernels.py --threads 1 --rows 6    # one shard of the split step
     OMP_NUM_THREADS=2 python benchmarks/bench_training_kernels.py --threads 2             # the whole step
+    OMP_NUM_THREADS=2 python benchmarks/bench_training_kernels.py --threads 2 --trainer   # the trainer's own loop
+
+``--trainer`` times the trainer itself (``blockformer.train``, the preset as it is, so two threads split
+the rows: ``train.batch_threads = "auto"``) on tinyshakespeare where ``../shared/data`` has it (else the
+preset's own text), switching between torch's kernels and both of blockformer's every ``--steps`` steps
+(windows with an evaluation left out).
 
 Cap the kernels at AVX2 with ``MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``.
 """
@@ -15,15 +21,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from common import cpu_kind, report
 
+import blockformer.train.loop as loop
 from blockformer import build_model, kernels
 from blockformer.run_config import load_run_config
+from blockformer.train import train
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
 SETTINGS = {  # name: (attention kernel, GELU kernel)
     "torch's attention and GELU": (False, False),
@@ -61,6 +73,43 @@ def step_times(preset: str, rows: int | None, windows: int, steps: int) -> tuple
     return rows, times
 
 
+def trainer_times(preset: str, windows: int, steps: int) -> tuple[int, dict[str, list[float]]]:
+    """The trainer's ms per step over ``windows`` windows of each setting, torch's and both of blockformer's
+    taking turns from the loop's own step (``loop._step``)."""
+    names = ["torch's attention and GELU", "both of blockformer's"]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    state = {"step": 0, "t0": None, "name": names[1], "evals": 0}
+    step, evaluate = loop._step, loop._evaluate_and_save
+
+    def timed_step(run) -> None:
+        if state["step"] % steps == 0:
+            if state["t0"] is not None and state["step"] >= 2 * steps and not state["evals"]:
+                times[state["name"]].append(1000 * (time.perf_counter() - state["t0"]) / steps)
+            state["name"] = names[1 - names.index(state["name"])]
+            kernels.CAUSAL_TRAINING_KERNEL, kernels.GELU_KERNEL = SETTINGS[state["name"]]
+            state["t0"], state["evals"] = time.perf_counter(), 0
+        state["step"] += 1
+        step(run)
+
+    def counted_evaluate(run) -> None:
+        state["evals"] += 1
+        evaluate(run)
+
+    total = (2 * windows + 2) * steps
+    with tempfile.TemporaryDirectory() as work:
+        data = [f"data.text={SHAKESPEARE}"] if preset == "char-lm-tiny" and SHAKESPEARE.is_file() else []
+        cfg = load_run_config(preset=preset, overrides=[*data, f"train.steps={total}", "train.precision=fp32",
+                                                        "train.samples=0", "train.progress=false", "train.device=cpu",
+                                                        f"data.cache_dir={Path(work) / 'cache'}",
+                                                        f"train.eval_every={total}"])
+        loop._step, loop._evaluate_and_save = timed_step, counted_evaluate
+        try:
+            train(cfg, Path(work) / preset, log=lambda *a: None)
+        finally:
+            loop._step, loop._evaluate_and_save = step, evaluate
+    return cfg.train.batch_size, times
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default="char-lm-tiny,stdlib-lm")
@@ -68,6 +117,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--windows", type=int, default=10, help="windows a setting")
     p.add_argument("--steps", type=int, default=10, help="steps a window")
+    p.add_argument("--trainer", action="store_true", help="time the trainer's loop, torch's kernels against both")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     small = [n for n in ("rows", "threads", "windows", "steps") if getattr(args, n) is not None and getattr(args, n) < 1]
@@ -78,8 +128,11 @@ def main() -> None:
              f"thread(s), torch {torch.__version__})", "",
              f"Medians over {args.windows} windows of {args.steps} steps a setting, the settings taking turns.", "",
              "| preset | rows | setting | ms/step | torch's / this |", "|---|---:|---|---:|---:|"]
+    if args.trainer:
+        lines[0] = lines[0].replace("training steps", "training steps of the trainer (rows split over threads)")
     for preset in args.presets.split(","):
-        rows, times = step_times(preset, args.rows, args.windows, args.steps)
+        rows, times = (trainer_times(preset, args.windows, args.steps) if args.trainer
+                       else step_times(preset, args.rows, args.windows, args.steps))
         medians = {name: statistics.median(t) for name, t in times.items()}
         base = medians["torch's attention and GELU"]
         lines += [f"| `{preset}` | {rows} | {name} | {ms:.2f} | {base / ms:.3f}x |" for name, ms in medians.items()]

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -62,3 +63,17 @@ def test_the_training_kernels_benchmark_refuses_a_size_below_one():
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_training_kernels.py"), "--windows", "0"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--windows: expected at least 1" in done.stderr
+
+
+def test_the_training_kernels_benchmark_times_the_trainer_itself(tmp_path):
+    if not (REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt").is_file():
+        pytest.skip("tinyshakespeare is not in ../shared/data")
+    out = tmp_path / "trainer.md"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_training_kernels.py"), "--trainer", "--presets",
+                    "char-lm-tiny", "--windows", "1", "--steps", "2", "--out", str(out)], check=True,
+                   capture_output=True, text=True, timeout=300)
+    text = out.read_text()
+    assert "of the trainer (rows split over threads)" in text
+    rows = re.findall(r"^\| `char-lm-tiny` \| 12 \| (.+?) \| ([\d.]+) \| ([\d.]+)x \|$", text, re.M)
+    assert [r[0] for r in rows] == ["torch's attention and GELU", "both of blockformer's"]
+    assert all(float(ms) > 0 for _, ms, _ in rows)

@@ -44,10 +44,10 @@ def unfused_attention(device: torch.device, dtype: torch.dtype, n_keys: int, dro
 
 # Causal self-attention in fp32 training over up to this many tokens goes through csrc/causal_attention.c
 # (nn/causal_attention.py), which keeps each (row, head) pair's softmax for its backward, rather than SDPA's
-# fused kernel, which recomputes it: forward + backward 1.5-2.1x faster at nanoGPT's CPU shape (64 tokens,
-# heads of 32) and 1.1-1.5x at 128-512 tokens with heads of 64, on one thread and on two, natively and capped
-# at AVX2, on a 2-core Zen 4 EPYC. Its cost is the kept softmax, T x T floats a pair: hence the limit
-# (BENCHMARKS.md "Causal attention for training over short sequences").
+# fused kernel, which recomputes it. Forward + backward on a 2-core Zen 4 EPYC capped at AVX2: 1.4x at one
+# shard's shape of nanoGPT's (6 x 4 heads x 64 tokens x 32, one thread), 2.6x over its 12 rows on two threads,
+# 1.6x at 128 and 256 tokens with heads of 64, 1.3x at 512. It keeps T x T floats a pair where SDPA keeps T:
+# hence the limit (BENCHMARKS.md "Causal attention and GELU for fp32 training").
 CAUSAL_TRAINING_KERNEL = True
 CAUSAL_KERNEL_MAX_TOKENS = 256
 
@@ -73,8 +73,9 @@ def torch_ops_watched() -> bool:
 
 
 # Exact GELU in fp32 training goes through csrc/gelu.c (nn/gelu.py), which keeps the derivative from its
-# forward, rather than torch's, whose backward computes erf and exp again (BENCHMARKS.md "Causal attention
-# for training over short sequences").
+# forward, rather than torch's, whose backward computes erf and exp again: forward + backward 1.8x at a
+# shard's shape capped at AVX2 (2.0x on two threads), 1.1x natively with AVX-512 (BENCHMARKS.md "Causal
+# attention and GELU for fp32 training").
 GELU_KERNEL = True
 
 

@@ -56,7 +56,8 @@ static void product(int rows, const float *a, int64_t ar, int64_t am, int64_t M,
             y2 = _mm256_fmadd_ps(r, b2, y2), y3 = _mm256_fmadd_ps(r, b3, y3);
         }
         float *o = c + n;
-        _mm256_storeu_ps(o, x0), _mm256_storeu_ps(o + 8, x1), _mm256_storeu_ps(o + 16, x2), _mm256_storeu_ps(o + 24, x3);
+        _mm256_storeu_ps(o, x0), _mm256_storeu_ps(o + 8, x1), _mm256_storeu_ps(o + 16, x2),
+            _mm256_storeu_ps(o + 24, x3);
         if (rows == 2) {
             o += cr;
             _mm256_storeu_ps(o, y0), _mm256_storeu_ps(o + 8, y1), _mm256_storeu_ps(o + 16, y2),
@@ -180,12 +181,16 @@ static void backward_pair(const float *q, const float *k, const float *v, const 
     }
 }
 
-/* Bring T rows of D floats, `stride` apart, towards the cache: the next pair's, while this pair computes.
+/* Bring the next pair's rows towards the cache while this pair computes.
  * In a training step they come from memory (the step's other layers have been through the caches since),
  * and a pair's arithmetic takes a few microseconds; without this the kernel ran a third slower there. */
-static void prefetch_rows(const float *x, int64_t T, int64_t stride, int64_t D) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(x + t * stride + d, 0, 3);
+static void prefetch_pair(const float *const *x, int n, const int64_t *s, int64_t i, int64_t H, int64_t T, int64_t D) {
+    /* pair i's T rows of D floats of each of x[0..n), whose (b, h, t) strides are s[3j..3j+2] */
+    for (int j = 0; j < n; j++) {
+        const float *r = x[j] + i / H * s[3 * j] + i % H * s[3 * j + 1];
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(r + t * s[3 * j + 2] + d, 0, 3);
+    }
 }
 
 /* s: the (b, h, t) strides of q, k, v, out, 12 values; p: (B, H, T, T); scratch: threads * SCRATCH(T, D) floats */
@@ -193,15 +198,12 @@ void causal_attention_forward_f32(const float *q, const float *k, const float *v
                                   int64_t B, int64_t H, int64_t T, int64_t D, const int64_t *s, int64_t threads,
                                   float scale) {
     const int64_t pairs = B * H, size = SCRATCH(T, D);
+    const float *const inputs[3] = {q, k, v};
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t n = 0; n < threads; n++)
         for (int64_t i = pairs * n / threads; i < pairs * (n + 1) / threads; i++) {
             const int64_t b = i / H, h = i % H;
-            if (i + 1 < pairs * (n + 1) / threads) {
-                const int64_t c = (i + 1) / H, g = (i + 1) % H;
-                prefetch_rows(q + c * s[0] + g * s[1], T, s[2], D), prefetch_rows(k + c * s[3] + g * s[4], T, s[5], D);
-                prefetch_rows(v + c * s[6] + g * s[7], T, s[8], D);
-            }
+            if (i + 1 < pairs * (n + 1) / threads) prefetch_pair(inputs, 3, s, i + 1, H, T, D);
             forward_pair(q + b * s[0] + h * s[1], k + b * s[3] + h * s[4], v + b * s[6] + h * s[7],
                          out + b * s[9] + h * s[10], p + i * T * T, T, D, s[2], s[5], s[8], s[11], scale,
                          scratch + n * size);
@@ -213,17 +215,14 @@ void causal_attention_backward_f32(const float *q, const float *k, const float *
                                    float *dq, float *dk, float *dv, float *scratch, int64_t B, int64_t H, int64_t T,
                                    int64_t D, const int64_t *s, int64_t threads, float scale) {
     const int64_t pairs = B * H, size = SCRATCH(T, D);
-    const int64_t t[7] = {s[2], s[5], s[8], s[11], s[14], s[17], s[20]};
+    const int64_t t[7] = {s[2], s[5], s[8], s[11], s[14], s[17], s[20]}, ps[3] = {H * T * T, T * T, T};
+    const float *const inputs[4] = {q, k, v, dout};
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t n = 0; n < threads; n++)
         for (int64_t i = pairs * n / threads; i < pairs * (n + 1) / threads; i++) {
             const int64_t b = i / H, h = i % H;
-            if (i + 1 < pairs * (n + 1) / threads) {
-                const int64_t c = (i + 1) / H, g = (i + 1) % H;
-                prefetch_rows(q + c * s[0] + g * s[1], T, s[2], D), prefetch_rows(k + c * s[3] + g * s[4], T, s[5], D);
-                prefetch_rows(v + c * s[6] + g * s[7], T, s[8], D), prefetch_rows(dout + c * s[9] + g * s[10], T, s[11], D);
-                prefetch_rows(p + (i + 1) * T * T, T, T, T);
-            }
+            if (i + 1 < pairs * (n + 1) / threads)
+                prefetch_pair(inputs, 4, s, i + 1, H, T, D), prefetch_pair(&p, 1, ps, i + 1, H, T, T);
             backward_pair(q + b * s[0] + h * s[1], k + b * s[3] + h * s[4], v + b * s[6] + h * s[7], p + i * T * T,
                           dout + b * s[9] + h * s[10], dq + b * s[12] + h * s[13], dk + b * s[15] + h * s[16],
                           dv + b * s[18] + h * s[19], T, D, t, scale, scratch + n * size);

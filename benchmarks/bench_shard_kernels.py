@@ -1,7 +1,8 @@
 """What the two non-matmul kernels of a split training step cost, timed alone at one shard's
 shapes (``train.batch_threads``: each thread runs half the rows on one thread of its own):
 exact GELU forward and backward, torch's against blockformer's (``csrc/gelu.c``, which keeps the
-derivative from its forward, so its backward is a product by a saved tensor), and causal
+derivative from its forward, so its backward is a product by a saved tensor), the same for GELU's
+tanh form (GPT-2's), and causal
 attention forward + backward: torch's fused kernel, one written as batched matmuls that keeps
 its softmax for the backward, and blockformer's (``csrc/causal_attention.c``), the last two's
 gradients checked against the fused ones. nanoGPT's CPU shape by default: 6 rows of 64 tokens,
@@ -100,6 +101,10 @@ def main() -> None:
          us(lambda: torch.autograd.grad(F.gelu(xg), xg, g), args.repeats)),
         ("exact GELU keeping its derivative, forward + backward through autograd",
          us(lambda: torch.autograd.grad(GeluKeepingDerivative.apply(xg), xg, g), args.repeats)),
+        ("tanh GELU (GPT-2's), torch's, forward + backward through autograd",
+         us(lambda: torch.autograd.grad(F.gelu(xg, approximate="tanh"), xg, g), args.repeats)),
+        ("tanh GELU keeping its derivative (csrc/gelu.c), forward + backward through autograd",
+         us(lambda: torch.autograd.grad(GeluKeepingDerivative.apply(xg, "tanh"), xg, g), args.repeats)),
         ("causal attention, fused SDPA, forward + backward", us(lambda: grads(fused), args.repeats)),
         ("causal attention, batched matmuls keeping the softmax, forward + backward",
          us(lambda: grads(SavedSoftmaxAttention.apply), args.repeats)),

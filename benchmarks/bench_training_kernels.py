@@ -8,6 +8,10 @@ machine; the median of each setting's windows, in ms per step.
     OMP_NUM_THREADS=1 python benchmarks/bench_training_kernels.py --threads 1 --rows 6    # one shard of the split step
     OMP_NUM_THREADS=2 python benchmarks/bench_training_kernels.py --threads 2             # the whole step
     OMP_NUM_THREADS=2 python benchmarks/bench_training_kernels.py --threads 2 --trainer   # the trainer's own loop
+    OMP_NUM_THREADS=2 python benchmarks/bench_training_kernels.py --threads 2 --presets gpt2-small --windows 3 --steps 2
+
+``gpt2-small`` is GPT-2 small's shape with its tanh GELU, 4 rows of 256 tokens (not a preset of
+blockformer's; not with ``--trainer``).
 
 ``--trainer`` times the trainer itself (``blockformer.train``, the preset as it is, so two threads split
 the rows: ``train.batch_threads = "auto"``) on tinyshakespeare where ``../shared/data`` has it (else the
@@ -20,6 +24,7 @@ Cap the kernels at AVX2 with ``MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=A
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -28,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import cpu_kind, report
+from common import cpu_kind, gpt2_config, report
 
 import blockformer.train.loop as loop
 from blockformer import build_model, kernels
@@ -47,8 +52,11 @@ SETTINGS = {  # name: (attention kernel, GELU kernel)
 
 def step_times(preset: str, rows: int | None, windows: int, steps: int) -> tuple[int, dict[str, list[float]]]:
     """Each setting's ms per step over its windows, for ``preset``'s model at ``rows`` rows."""
-    rc = load_run_config(preset=preset, overrides=["model.vocab_size=65"] if preset == "char-lm-tiny" else [])
-    cfg, rows = rc.model, rows or rc.train.batch_size
+    if preset == "gpt2-small":  # GPT-2 small with its tanh GELU, over 256 tokens a row (4 rows unless --rows)
+        cfg, rows = dataclasses.replace(gpt2_config(max_len=256), gelu_approximate="tanh"), rows or 4
+    else:
+        rc = load_run_config(preset=preset, overrides=["model.vocab_size=65"] if preset == "char-lm-tiny" else [])
+        cfg, rows = rc.model, rows or rc.train.batch_size
     torch.manual_seed(0)
     model = build_model(cfg, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -123,6 +131,8 @@ def main() -> None:
     small = [n for n in ("rows", "threads", "windows", "steps") if getattr(args, n) is not None and getattr(args, n) < 1]
     if small:
         p.error(", ".join("--" + n for n in small) + ": expected at least 1")
+    if args.trainer and "gpt2-small" in args.presets.split(","):
+        p.error("--presets gpt2-small: not with --trainer (a shape of the benchmark's, not a preset)")
     torch.set_num_threads(args.threads)
     lines = [f"# fp32 training steps with and without blockformer's kernels ({cpu_kind()} CPU, {args.threads} "
              f"thread(s), torch {torch.__version__})", "",

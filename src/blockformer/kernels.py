@@ -72,15 +72,15 @@ def torch_ops_watched() -> bool:
     return _get_current_dispatch_mode() is not None
 
 
-# Exact GELU in fp32 training goes through csrc/gelu.c (nn/gelu.py), which keeps the derivative from its
-# forward, rather than torch's, whose backward computes erf and exp again: forward + backward 1.8x at a
-# shard's shape capped at AVX2 (2.0x on two threads), 1.1x natively with AVX-512 (BENCHMARKS.md "Causal
-# attention and GELU for fp32 training").
+# GELU in fp32 training goes through csrc/gelu.c (nn/gelu.py), which keeps the derivative from its
+# forward, rather than torch's, whose backward computes erf and exp (or tanh) again: exact GELU's forward
+# + backward 1.8x at a shard's shape capped at AVX2 (2.0x on two threads), 1.1x natively with AVX-512;
+# the tanh form's 4.6x capped, 2.8x natively (BENCHMARKS.md "Causal attention and GELU for fp32 training").
 GELU_KERNEL = True
 
 
 def gelu_kernel(x: torch.Tensor) -> bool:
-    """Whether exact GELU of ``x`` takes that kernel: a plain fp32 tensor on the CPU, with a gradient to take, eager,
+    """Whether GELU of ``x`` (exact or its tanh form) takes that kernel: a plain fp32 tensor on the CPU, with a gradient to take, eager,
     no dispatch mode watching (``torch_ops_watched``)."""
     return (GELU_KERNEL and type(x) is torch.Tensor and x.device.type == "cpu" and x.dtype == torch.float32
             and x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()

@@ -26,7 +26,7 @@ def activation(cfg: TransformerConfig):
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
+    return gelu(x, approximate="tanh")  # F.gelu's tanh form, or in fp32 training the kernel's
 
 
 class FeedForward(nn.Module):

@@ -10,11 +10,16 @@ codes with a scale per slot and head, each checked against SDPA over what that p
 
     python benchmarks/bench_paged_attention.py --threads 1 --out benchmarks/results/paged-attention.md
     python benchmarks/bench_paged_attention.py --threads 2 --pool-dtypes bf16,int8
+    python benchmarks/bench_paged_attention.py --threads 2 --one-row --pool-dtypes bf16,int8   # split-K
+
+``--one-row``: one decoding row (a server with one request), its slots split between the threads and
+the parts merged, against the same kernel on one thread, alternated, over 12 layers' pools.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -24,7 +29,7 @@ from blockformer.nn.kv_cache import dequantize_rows, quantize_rows
 from blockformer.serve.paged_attention import decode_attention, kernel
 from blockformer.serve.runner import gather
 
-from common import cpu_kind
+from common import cpu_kind, report
 
 
 def timed(fn, repeats: int) -> float:
@@ -92,10 +97,41 @@ def case(B: int, S: int, H: int = 12, hd: int = 64, block: int = 16, repeats: in
     return tuple(times)
 
 
+def one_row(S: int, threads: int, pool: str = "fp32", H: int = 12, hd: int = 64, block: int = 16,
+            layers: int = 12, rounds: int = 20) -> tuple[float, float]:
+    """(one thread, ``threads`` threads) median seconds a layer for one row over S slots: the kernel on one
+    thread against the same call with the row's slots split between the threads. ``layers`` layers' pools,
+    so that each call reads its keys and values from memory, as in a step; the two take turns."""
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for _ in range(layers):
+        n_blocks = S // block * 2
+        pool_k, pool_v = torch.randn(n_blocks * block, H, hd, generator=g), torch.randn(n_blocks * block, H, hd, generator=g)
+        k, k_scale, _ = narrow(pool_k, POOLS[pool]) if pool in POOLS else (pool_k, None, None)
+        v, v_scale, _ = narrow(pool_v, POOLS[pool]) if pool in POOLS else (pool_v, None, None)
+        table = torch.randperm(n_blocks, generator=g)[: S // block]
+        read = (table[:, None] * block + torch.arange(block)).reshape(1, S)
+        cases.append((torch.randn(1, H, hd, generator=g), k, v, read, None if k_scale is None else (k_scale, v_scale)))
+    mask, out = torch.ones(1, S, dtype=torch.bool), torch.empty(1, H, hd)
+    times: dict[int, list[float]] = {1: [], threads: []}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for n in (1, threads):
+                torch.set_num_threads(n)
+                start = time.perf_counter()
+                for q, k, v, read, scales in cases:
+                    decode_attention(q, k, v, read, mask, hd**-0.5, out, scales)
+                times[n].append((time.perf_counter() - start) / layers)
+    torch.set_num_threads(threads)
+    return statistics.median(times[1]), statistics.median(times[threads])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--pool-dtypes", default="", help="also the kernel over these pools: bf16, fp16, int8")
+    parser.add_argument("--one-row", action="store_true",
+                        help="only one row's slots split between --threads threads against one thread")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     pools = tuple(n for n in args.pool_dtypes.split(",") if n)
@@ -111,6 +147,17 @@ def main() -> None:
              "|---:|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * len(pools)]
     if kernel() is None or any(kernel(POOLS[n]) is None for n in pools):
         raise SystemExit("the paged attention kernel could not be built here (see the warning above)")
+    if args.one_row:
+        lines[0] = lines[0].replace("one decode step's attention per layer", "one row's slots split between threads")
+        lines[2:] = ["| pool | past tokens | one thread (us a layer) | split (us a layer) | one / split |",
+                     "|---|---:|---:|---:|---:|"]
+        for pool in ("fp32", *pools):
+            for S in (256, 1024, 2048, 4096):
+                one, split = one_row(S, args.threads, pool)
+                lines.append(f"| {pool} | {S} | {one * 1e6:.0f} | {split * 1e6:.0f} | {one / split:.2f}x |")
+                print(lines[-1], flush=True)
+        report(lines, args.out)
+        return
     for B in (1, 16, 64):
         for S in (128, 512, 1024):
             c, p, k, *narrow_times = case(B, S, pools=pools)

@@ -40,10 +40,16 @@ def gathered(q, pool_k, pool_v, read, mask, scale):
                                           enable_gqa=True)[:, :, 0]
 
 
-@pytest.mark.parametrize("heads,kv_heads,threads", [(4, 4, 1), (8, 2, 1), (6, 1, 2), (8, 2, 3)])
-def test_the_kernel_equals_a_gathered_copy_through_sdpa(heads, kv_heads, threads):
+@pytest.mark.parametrize("rows,heads,kv_heads,threads", [
+    (7, 4, 4, 1), (7, 8, 2, 1), (7, 6, 1, 2), (7, 8, 2, 3),
+    (1, 6, 3, 2), (1, 8, 2, 3), (2, 12, 3, 3), (3, 4, 4, 2),  # fewer rows than threads, or a row cut between them
+])
+def test_the_kernel_equals_a_gathered_copy_through_sdpa(rows, heads, kv_heads, threads, monkeypatch):
+    """With fewer rows than threads each row's slots are split between them and the parts merged
+    (parts of 4 slots at least here, so that 24 slots split)."""
     assert paged_attention.kernel() is not None  # a C compiler is part of the set-up (README)
-    q, pool_k, pool_v, read, mask = scattered(7, 24, heads, kv_heads, 16, seed=heads)
+    monkeypatch.setattr(paged_attention, "PART_SLOTS", 4)
+    q, pool_k, pool_v, read, mask = scattered(rows, 24, heads, kv_heads, 16, seed=heads)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -51,6 +57,46 @@ def test_the_kernel_equals_a_gathered_copy_through_sdpa(heads, kv_heads, threads
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(out, gathered(q, pool_k, pool_v, read, mask, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_rows_slots_split_between_threads_give_its_attention_with_parts_masked_whole(threads, monkeypatch):
+    """A row whose past covers only the last part, a part with one slot, and a row with no slot at all (zeros)."""
+    monkeypatch.setattr(paged_attention, "PART_SLOTS", 4)
+    q, pool_k, pool_v, read, _ = scattered(3, 24, 8, 2, 16, seed=5)
+    mask = torch.zeros(3, 24, dtype=torch.bool)
+    mask[0, 20:] = True  # the last part only
+    mask[1, 3] = mask[1, 23] = True  # one slot in the first part and one in the last
+    want = gathered(q[:2], pool_k, pool_v, read[:2], mask[:2], 0.3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows = [paged_attention.decode_attention(q[i:i + 1], pool_k, pool_v, read[i:i + 1], mask[i:i + 1], 0.3,
+                                                 torch.full_like(q[:1], float("nan"))) for i in range(3)]
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(torch.cat(rows[:2]), want, atol=1e-5, rtol=1e-5)
+    assert rows[2].eq(0).all()
+
+
+def test_one_row_over_many_slots_is_split_between_the_threads(monkeypatch):
+    """At the real part size (64 slots), one row over 256 slots on two threads takes two parts, and gives what
+    one thread gives."""
+    q, pool_k, pool_v, read, mask = scattered(1, 256, 12, 12, 64, block=16, seed=1)
+    calls = []
+    real = paged_attention.kernel()
+    monkeypatch.setattr(paged_attention, "kernel", lambda dtype=torch.float32: lambda *a: calls.append(a) or real(*a))
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(paged_attention.decode_attention(q, pool_k, pool_v, read, mask, 0.125, torch.empty_like(q)))
+    finally:
+        torch.set_num_threads(before)
+    assert [(c[15], c[-1]) for c in calls] == [(1, 1), (2, 2)]  # (parts, threads)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(outs[0], gathered(q, pool_k, pool_v, read, mask, 0.125), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("heads,kv_heads,threads", [(4, 4, 1), (8, 2, 2)])
@@ -83,13 +129,14 @@ def test_the_kernel_reads_an_fp16_pool_under_fp32_queries():
     torch.testing.assert_close(out, gathered(q, pool_k.float(), pool_v.float(), read, mask, 0.3), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kv_heads,threads", [(4, 1), (2, 2), (1, 3)])
-def test_the_kernel_reads_an_int8_pool_as_its_codes_times_their_scales(kv_heads, threads):
+@pytest.mark.parametrize("rows,kv_heads,threads", [(7, 4, 1), (7, 2, 2), (7, 1, 3), (1, 4, 2), (2, 2, 3)])
+def test_the_kernel_reads_an_int8_pool_as_its_codes_times_their_scales(rows, kv_heads, threads, monkeypatch):
     """An int8 pool (``quantize_rows``: codes and one scale per slot and head) attended in place
     gives the fp32 attention over the dequantized pool, on every thread count and grouping; the
     scales are read per slot and head (a pool whose scales are all alike would not show it)."""
     assert paged_attention.kernel(torch.int8) is not None
-    q, pool_k, pool_v, read, mask = scattered(7, 24, 8, kv_heads, 16, seed=kv_heads)
+    monkeypatch.setattr(paged_attention, "PART_SLOTS", 4)  # one row's slots split between the threads too
+    q, pool_k, pool_v, read, mask = scattered(rows, 24, 8, kv_heads, 16, seed=kv_heads)
     pool_k, pool_v = pool_k * torch.rand(pool_k.shape[:2])[..., None] * 4, pool_v * torch.rand(pool_v.shape[:2])[..., None]
     (k8, k_scale), (v8, v_scale) = quantize_rows(pool_k), quantize_rows(pool_v)
     want = gathered(q, dequantize_rows(k8, k_scale, torch.float32), dequantize_rows(v8, v_scale, torch.float32),

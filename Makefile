@@ -72,7 +72,7 @@ bench-speed: install
 	$(PY) benchmarks/bench_long.py --threads 2
 	$(PY) benchmarks/profile_step.py --threads 2
 
-# Issue 25's figures on the CPU at hand, one after another (about 45 minutes on 2 cores): run it
+# Issue 25's figures on the CPU at hand, one after another (about 50 minutes on 2 cores): run it
 # on each CPU kind, an AVX2-only one above all. The files go to benchmarks/results/cpu-<kind>/.
 bench-cpu: install
 	$(PY) -m pip install -q -e '.[bench]'

@@ -23,8 +23,13 @@ for q in none int8 int4; do
     $PY benchmarks/bench_serve.py --server blockformer --model gpt2-small --rates inf --num-requests 32 \
         --concurrency 16 --blockformer-args="$args" --out "$out/serve-gpt2-small-$q.md"
 done
-# training at nanoGPT's CPU shape against a plain PyTorch loop; translation in its 15 minutes
+# one request's decode attention, its slots split over both threads against one (a minute)
+$PY benchmarks/bench_paged_attention.py --threads 2 --one-row --pool-dtypes bf16,int8 --out "$out/paged-attention-one-row.md"
+# training at nanoGPT's CPU shape against a plain PyTorch loop, their windows taking turns; translation in its 15 minutes
 $PY benchmarks/bench_tinyshakespeare.py --threads 2 --precisions fp32 --out "$out/tinyshakespeare"
+# the fp32 training kernels (attention, GELU) against torch's inside the trainer's own split loop
+$PY benchmarks/bench_training_kernels.py --threads 2 --trainer --presets char-lm-tiny --windows 40 \
+    --out "$out/training-kernels-trainer.md"
 # rows split over the two threads (train.batch_threads, what "auto" does there) against whole, alternated
 $PY benchmarks/bench_batch_threads.py --threads 2 --precision auto --steps 600 --out "$out/batch-threads"
 # (without bf16 units, or capped below them, `precision = "auto"` trains in fp32: its preset is translate-small-fp32)

@@ -154,7 +154,8 @@ def blockformer_run(data: Path, steps: int, precision: str, work: Path, compile:
         f"train.compile={str(compile).lower()}",
     ])
     window = cfg.train.log_every
-    n, k = steps // window, min(reference_steps // window, steps // window)  # the trainer's windows, the plain loop's
+    n = steps // window  # the trainer's windows; the plain loop's, at least one if asked for:
+    k = min(max(1, reference_steps // window), n) if reference_steps else 0
     reference: list[Reference] = []
     rates: list[tuple[int, float]] = []  # (the trainer's step before it, the plain loop's tokens/s)
     log = loop._log

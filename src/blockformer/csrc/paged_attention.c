@@ -47,15 +47,15 @@ static void merge_parts(const float *partials, float *out, int64_t rows, int64_t
         }
 }
 
-/* part_NAME, span_NAME and paged_decode_attention_NAME for a pool of T, read as floats by LOAD, each
- * slot's keys and values of a head multiplied by SCALE (UNSCALED or ROW_SCALE).
+/* part_NAME and paged_decode_attention_NAME for a pool of T, read as floats by LOAD, each slot's
+ * keys and values of a head multiplied by SCALE (UNSCALED or ROW_SCALE).
  * part_NAME attends row b over its slots s0..s1 and leaves, for each query head h, the largest score
  * top[h], the sum of the exponentials sum[h] and the values weighed by them, not yet divided, in o[h].
  * With `parts` = 1 the entry point splits the rows into `threads` spans, one per thread of torch's
  * OpenMP runtime, each row's output divided in place. With fewer rows than threads it splits each
- * row's slots, from its first unmasked one to its last, into `parts` instead (split-K, as flash-decoding does on a GPU): each part goes to
- * `partials` (rows * parts runs of H * D + 2 * H floats: o, top, sum) and the parts of a row are
- * merged after. Splitting a row's heads instead made one row slower on two threads: each thread then
+ * row's slots, from its first unmasked one to its last, into `parts` instead (split-K, as
+ * flash-decoding does on a GPU): each part goes to `partials` (rows * parts runs of H * D + 2 * H
+ * floats: o, top, sum) and the parts of a row are merged after. Splitting a row's heads instead made one row slower on two threads: each thread then
  * reads every other stretch of each slot, and the prefetchers fetch the rest too.
  * `scores` holds threads * H * S floats. */
 #define PAGED(NAME, T, LOAD, SCALE)                                                                                          \
@@ -133,7 +133,6 @@ void paged_decode_attention_##NAME(const float *q, const T *pk, const T *pv, con
     }                                                                                                                        \
     if (parts > 1) merge_parts(partials, out, rows, parts, H, D);                                                            \
 }
-
 
 PAGED(f32, float, as_float, UNSCALED)
 PAGED(bf16, uint16_t, bf16_to_float, UNSCALED)

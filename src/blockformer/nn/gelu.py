@@ -1,8 +1,8 @@
 """GELU for fp32 training on a CPU, exact or in its tanh form, keeping its derivative from the forward.
 
 torch's GELU backward computes erf and exp (or tanh) a second time. ``csrc/gelu.c`` computes GELU
-and its derivative in one pass (one exponential serves both) and keeps the derivative, in place
-of the input, which nothing else needs: the backward is one product. ``nn/feedforward.py`` takes
+and its derivative in one pass (one exponential serves both) and saves the derivative for the
+backward instead of the input: the backward is one product. ``nn/feedforward.py`` takes
 it where ``kernels.gelu_kernel`` says so (fp32 on a CPU, with a gradient to take, eager); where
 the kernel cannot be built, ``F.gelu`` runs as before.
 """

@@ -22,8 +22,8 @@ import torch
 from .. import native
 
 
-# A row over fewer slots than this a part is not split between threads: the parts' merge and the
-# threads' start would cost more than they save.
+# Each part of a row split between threads covers at least this many slots: over fewer, the merge
+# and the threads' start would cost more than they save.
 PART_SLOTS = 64
 
 
